@@ -1,0 +1,147 @@
+"""Build and tear down everything a run needs: Ray, placement, trainer group, engines, reward
+workers, the WeightSyncCoordinator and the metric sinks. `Cluster` is the driver's single handle on
+the running system; launch.py calls its few verbs (generate, score, sync, checkpoint, close).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import ray
+
+from actors.common import actor_env, get
+from actors.coordinator import WeightSyncCoordinator
+from actors.placement import allocate
+from actors.reward import RewardActor
+from actors.rollout import RolloutActor, sampling_params
+from actors.trainer import TrainerGroup
+from rlhf_orch.config import engine_names
+from rlhf_orch.errors import EngineError, RewardError, WeightSyncError
+from rlhf_orch.rollout_utils import split_evenly
+
+logger = logging.getLogger(__name__)
+
+
+def init_ray(cfg) -> bool:
+    """Join RAY_ADDRESS / ray.address if given, else start a local Ray. Returns True if we started it."""
+    if ray.is_initialized():
+        return False
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    # Workers of a local Ray must import this checkout even when it is not pip-installed.
+    root = str(Path(__file__).resolve().parent.parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=cfg.ray.num_cpus, log_to_driver=True)
+    return True
+
+
+class Cluster:
+    @classmethod
+    def start(cls, cfg, run_dir: Path, model_path: str) -> "Cluster":
+        self = cls()
+        self.cfg, self.run_dir, self.timeout = cfg, Path(run_dir), cfg.ray.get_timeout_s
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+        self.started_ray = init_ray(cfg)
+        self.placement = None
+        self.sinks = self._sinks()
+        name, device = cfg.experiment.name, cfg.trainer.device
+        self.placement = allocate(cfg, self.timeout)
+        self.trainers = TrainerGroup(self.placement, device, name, self.timeout)
+        env = actor_env(device)
+        self.engines, self.sampling = {}, {}
+        names = iter(engine_names(cfg))
+        for idx, ecfg in enumerate(cfg.engines):
+            for _ in range(ecfg.count):
+                ename = next(names)
+                bundle = self.placement.engine_bundles[ename][0]
+                kwargs = {"model_path": model_path, "dtype": cfg.model.dtype, "seed": cfg.experiment.seed + 1000 * (len(self.engines) + 1)}
+                kwargs.update(ecfg.model_dump(exclude={"name", "count", "placement", "tensor_parallel_size", "sampling", "kind"}))
+                self.engines[ename] = RolloutActor.options(**self.placement.options(bundle, f"{name}-engine-{ename}", env)).remote(
+                    ename, ecfg.kind, device, self.placement.device_id(bundle), kwargs)
+                self.sampling[ename] = ecfg.sampling
+        self.rewarders = [RewardActor.options(name=f"{name}-reward-{i}", runtime_env={"env_vars": env}).remote(cfg.reward.function)
+                          for i in range(cfg.reward.num_workers)]
+        tkw = dict(zero_stage=cfg.trainer.zero_stage, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
+                   grad_clip=cfg.trainer.grad_clip, bf16=cfg.trainer.bf16, clip_eps=cfg.algorithm.clip_eps,
+                   clip_eps_high=cfg.algorithm.clip_eps_high, kl_coef=cfg.algorithm.kl_coef,
+                   kl_estimator=cfg.algorithm.kl_estimator, temperature=cfg.engines[0].sampling.temperature,
+                   ppo_epochs=cfg.trainer.ppo_epochs, seed=cfg.experiment.seed)
+        self.trainers.init(model_path, tkw)
+        get([e.device_ids.remote() for e in self.engines.values()], self.timeout, "engines to start", EngineError)
+        get([r.score.remote([]) for r in self.rewarders], self.timeout, "reward workers to start", RewardError)
+        self.coordinator = WeightSyncCoordinator.options(name=f"{name}-weight-sync", runtime_env={"env_vars": env}).remote(
+            self.trainers.actors, self.engines, device, cfg.model.dtype, cfg.weight_sync.transport,
+            int(cfg.weight_sync.bucket_size_mb * 2**20), cfg.weight_sync.verify, cfg.weight_sync.timeout_s)
+        info = get(self.coordinator.setup.remote(), cfg.weight_sync.timeout_s, "weight-sync setup", WeightSyncError)
+        self.plan = info["plan"]
+        logger.info("cluster up: %d trainer ranks, engines %s, sync plan %s", cfg.trainer.num_ranks, list(self.engines), self.plan)
+        return self
+
+    def _sinks(self):
+        from rlhf_orch.metrics import JsonlSink, MultiSink, RayMetricsSink, TensorBoardSink
+        m, sinks = self.cfg.metrics, []
+        if m.jsonl:
+            sinks.append(JsonlSink(self.run_dir / "metrics.jsonl"))
+        if m.tensorboard:
+            sinks.append(TensorBoardSink(self.run_dir / "tb"))
+        if m.ray_metrics:
+            sinks.append(RayMetricsSink(experiment=self.cfg.experiment.name))
+        return MultiSink(sinks)
+
+    def generate(self, prompts, group_size: int):
+        """Every prompt `group_size` times, prompts split evenly over engines; returns (samples, seconds)."""
+        import time
+        t0 = time.perf_counter()
+        chunks = split_evenly(prompts, len(self.engines))
+        refs = [(chunk, self.engines[n].generate.remote([p.token_ids for p in chunk], sampling_params(self.sampling[n], group_size)))
+                for n, chunk in zip(self.engines, chunks) if chunk]
+        results = get([r for _, r in refs], self.timeout, "engines to generate", EngineError)
+        samples = []
+        for (chunk, _), (part, _stats) in zip(refs, results):
+            for s in part:
+                s.prompt_index = chunk[s.prompt_index].index   # engine-local index -> step-wide group id
+                samples.append(s)
+        samples.sort(key=lambda s: s.prompt_index)
+        return samples, time.perf_counter() - t0
+
+    def score(self, samples, prompts) -> list[float]:
+        items = [(s.text, prompts[s.prompt_index].row) for s in samples]
+        parts = split_evenly(items, len(self.rewarders))
+        out = get([r.score.remote(p) for r, p in zip(self.rewarders, parts)], self.timeout, "reward workers", RewardError)
+        return [x for part in out for x in part]
+
+    def sync(self, version: int) -> dict:
+        return get(self.coordinator.sync.remote(version), self.cfg.weight_sync.timeout_s, f"weight sync v{version}", WeightSyncError)
+
+    def checkpoint(self, step: int, data_state: dict) -> None:
+        ckpt = self.run_dir / "checkpoints"
+        state = {"step": step, "weight_version": step, "data": data_state}
+        self.trainers.call("save_checkpoint", str(ckpt), f"step{step}", state)
+        (ckpt / "latest").write_text(f"step{step}\n")
+        (ckpt / f"step{step}" / "rl_state.json").write_text(json.dumps(state))
+
+    def close(self, records: list[dict], data_state: dict) -> None:
+        """Always runs: final checkpoint if the trainers are alive, plots, sinks closed, Ray shut down."""
+        try:
+            if records:
+                self.checkpoint(len(records), data_state)
+        except Exception as e:  # a dead trainer must not hide the metrics already written
+            logger.warning("final checkpoint failed: %s", e)
+        if self.sinks is not None:
+            self.sinks.close()
+        if self.cfg.metrics.plots and records:
+            from rlhf_orch.metrics import plot_run
+            paths = plot_run(records, self.run_dir / "plots")
+            logger.info("plots: %s", ", ".join(str(p) for p in paths))
+        try:
+            if self.placement is not None:
+                self.placement.release()
+        except Exception:
+            pass
+        if self.started_ray:
+            ray.shutdown()

@@ -1,0 +1,81 @@
+"""Helpers shared by the actor shells: process setup, and waiting on actors with readable failures.
+
+Every blocking wait goes through `get()`, which has a timeout and turns Ray's errors into the
+project's: a timeout names what was awaited; a dead actor surfaces its own exception and the tail of
+its log, so a user does not have to dig through /tmp/ray/session_latest/logs.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from rlhf_orch.errors import RLHFOrchError
+
+logger = logging.getLogger(__name__)
+
+
+def setup_process(device: str = "cpu") -> None:
+    """Called first in every actor: logging, quiet libraries, and one thread per CPU actor."""
+    logging.basicConfig(level=os.environ.get("RLHF_ORCH_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    if device == "cpu":
+        import torch
+        # Several actors share few cores; one thread each avoids oversubscription stalls.
+        torch.set_num_threads(int(os.environ.get("RLHF_ORCH_THREADS", "1")))
+
+
+def actor_env(device: str) -> dict[str, str]:
+    """Environment for every actor (passed as runtime_env env_vars so `ray start` clusters get it too)."""
+    env = {
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                               os.path.expanduser("~/.cache/rlhf_orch/torch_extensions")),
+    }
+    if device == "cpu":
+        env["OMP_NUM_THREADS"] = "1"
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_NVLS_ENABLE", "RLHF_ORCH_LOG_LEVEL",
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "PYTHONPATH"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+def _log_tail(actor_id: str | None, lines: int = 20) -> str:
+    if not actor_id:
+        return ""
+    try:
+        from ray.util.state import get_log
+        text = "".join(get_log(actor_id=actor_id, tail=lines, timeout=5))
+        return "\n--- last log lines of the actor ---\n" + text.rstrip()
+    except Exception:   # the state API is best effort (no dashboard, log already rotated)
+        return ""
+
+
+def get(refs, timeout: float, what: str, error_cls: type[RLHFOrchError] = RLHFOrchError):
+    """ray.get with a timeout; failures become `error_cls` with the actor's own error and log tail."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except GetTimeoutError:
+        raise error_cls(f"timed out after {timeout:.0f}s waiting for {what}; see the Ray dashboard "
+                        "(http://127.0.0.1:8265 on a local run) for stuck actors, or raise ray.get_timeout_s") from None
+    except RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        if isinstance(cause, RLHFOrchError):
+            raise cause from None
+        raise error_cls(f"{what} failed: {type(cause).__name__}: {cause}") from None
+    except RayActorError as e:
+        actor_id = getattr(e, "actor_id", None)
+        raise error_cls(f"{what} failed: an actor died ({e.error_msg if hasattr(e, 'error_msg') else e})"
+                        f"{_log_tail(actor_id)}") from None

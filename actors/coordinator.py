@@ -1,0 +1,128 @@
+"""WeightSyncCoordinator: plans the transports once, then runs one numbered sequence per sync.
+
+setup: ask every trainer rank and engine worker where it sits -> make the plan (ipc for engines on a
+trainer rank's device, broadcast for the rest) -> lay out buckets from rank 0's parameter specs ->
+build senders and receivers, creating and warming the one broadcast group on all sides at once.
+
+sync(version): pause engines -> every trainer rank streams its buckets (rank 0 broadcasts, ranks
+sharing a device hand IPC handles to their engines) while broadcast engines receive -> compare every
+engine's checksums with its sender's -> engines record the version -> resume. Only metadata passes
+through this actor: handles, checksums and timings, never tensor data.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+
+from actors.common import get, setup_process
+from rlhf_orch.errors import WeightSyncError
+from rlhf_orch.weight_sync import digest, make_plan, plan_buckets
+from rlhf_orch.weight_sync.collective import free_port
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0)
+class WeightSyncCoordinator:
+    def __init__(self, trainers: list, engines: dict, device: str, dtype: str, transport: str,
+                 bucket_bytes: int, verify: bool, timeout_s: float):
+        setup_process("cpu")
+        self.trainers, self.engines = trainers, engines
+        self.device, self.dtype, self.transport = device, dtype, transport
+        self.bucket_bytes, self.verify, self.timeout_s = bucket_bytes, verify, timeout_s
+        self.plan = None
+        self.layouts = []
+        self.version = -1
+
+    def _get(self, refs, what):
+        return get(refs, self.timeout_s, what, WeightSyncError)
+
+    def setup(self) -> dict:
+        t0 = time.perf_counter()
+        trainer_devs = self._get([t.device_id.remote() for t in self.trainers], "trainer device ids")
+        names = list(self.engines)
+        engine_devs = dict(zip(names, self._get([self.engines[n].device_ids.remote() for n in names], "engine device ids")))
+        self.plan = make_plan(trainer_devs, engine_devs, self.transport)
+        specs = self._get(self.trainers[0].param_specs.remote(self.dtype), "parameter specs")
+        self.layouts = plan_buckets(specs, self.bucket_bytes)
+        group = None
+        if self.plan.group_world_size:
+            # Rank 0 hosts the store: its node's address and a port free there, never a fixed address.
+            host, port = self._get(self.trainers[0].node_address.remote(), "trainer rank 0 address")
+            group = {"backend": "nccl" if self.device == "cuda" else "gloo", "host": host, "port": port,
+                     "world_size": self.plan.group_world_size}
+        refs = []
+        for rank, t in enumerate(self.trainers):
+            ipc = {e: self.engines[e] for e in self.plan.ipc_targets.get(rank, [])}
+            refs.append(t.setup_sender.remote(self.layouts, ipc, group if rank == 0 else None, self.verify, self.timeout_s))
+        for name, route in self.plan.routes.items():
+            g = group if route.transport == "broadcast" else None
+            rank = route.group_ranks[0] if route.group_ranks else 0
+            refs.append(self.engines[name].setup_receiver.remote(self.layouts, g, rank, self.verify, self.timeout_s))
+        self._get(refs, "weight-sync group creation and warm-up")
+        nbytes = sum(b.nbytes for b in self.layouts)
+        logger.info("weight sync plan: %s; %d tensors in %d buckets (%.1f MB)", self.plan.summary(),
+                    len(specs), len(self.layouts), nbytes / 1e6)
+        return {"plan": self.plan.summary(), "buckets": len(self.layouts), "tensors": len(specs),
+                "bytes": nbytes, "setup_s": time.perf_counter() - t0}
+
+    def sync(self, version: int, gather_bytes: int | None = None) -> dict:
+        """One full sync to `version`; returns flat `sync/` metrics. Raises WeightSyncError on mismatch."""
+        if version <= self.version:
+            raise WeightSyncError(f"sync version {version} is not newer than {self.version}")
+        t0 = time.perf_counter()
+        names = list(self.engines)
+        self._get([self.engines[n].pause.remote() for n in names], "engines to pause")
+        t_pause = time.perf_counter()
+        gather = gather_bytes or self.bucket_bytes
+        send_refs = [t.send_weights.remote(version, gather) for t in self.trainers]
+        bcast = self.plan.broadcast_engines
+        recv_refs = [self.engines[n].receive_broadcast.remote(version) for n in bcast]
+        sent = self._get(send_refs, f"trainer ranks to send weights v{version}")
+        received = dict(zip(bcast, self._get(recv_refs, f"engines to receive weights v{version}")))
+        t_transfer = time.perf_counter()
+        mismatches = []
+        if self.verify:
+            for name, route in self.plan.routes.items():
+                want = sent[route.sender_rank].checksums
+                got = (received[name][0] if route.transport == "broadcast"
+                       else sent[route.sender_rank].engine_checksums[name])
+                if got != want:
+                    bad = [s.name for b in self.layouts for s in b.slots]
+                    bad = [n for n, g, w in zip(bad, got, want) if g != w][:5]
+                    mismatches.append(f"{name} ({route.transport}): {len(got)} checksums vs {len(want)} expected; "
+                                      f"first differing tensors: {bad}")
+        if mismatches:
+            raise WeightSyncError(f"weight sync v{version} failed verification; engines hold weights that differ from "
+                                  "the trainer's: " + "; ".join(mismatches))
+        t_verify = time.perf_counter()
+        self._get([self.engines[n].finish_sync.remote(version) for n in names], "engines to record the version")
+        self._get([self.engines[n].resume.remote() for n in names], "engines to resume")
+        self.version = version
+        t_end = time.perf_counter()
+        total_bytes = sum(b.nbytes for b in self.layouts)
+        transfer_s = t_transfer - t_pause
+        rank0 = sent[0]
+        load_s = max([r[1]["load_s"] for r in received.values()], default=0.0)
+        return {
+            "sync/version": version,
+            "sync/bytes": total_bytes,
+            "sync/pause_s": t_pause - t0,
+            "sync/transfer_s": transfer_s,
+            "sync/pack_s": max(r.pack_s for r in sent),
+            "sync/wait_s": max(r.wait_s for r in sent),
+            "sync/load_s": load_s,
+            "sync/verify_s": t_verify - t_transfer,
+            "sync/resume_s": t_end - t_verify,
+            "sync/total_s": t_end - t0,
+            "sync/gbps": total_bytes / max(transfer_s, 1e-9) / 1e9,
+            "sync/checksum_ok": 1.0 if self.verify else float("nan"),
+            "sync/digest": float(digest(rank0.checksums) % 10**9) if rank0.checksums else float("nan"),
+            "sync/ipc_engines": sum(r.transport == "ipc" for r in self.plan.routes.values()),
+            "sync/broadcast_engines": len(bcast),
+        }
+
+    def plan_summary(self) -> dict:
+        return self.plan.summary() if self.plan else {}

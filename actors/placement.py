@@ -1,0 +1,80 @@
+"""Place trainer ranks and engines on devices with one Ray placement group.
+
+One bundle per device slot: a GPU (with a CPU) on CUDA, a small CPU share on CPU. Trainer rank r
+takes bundle r; a colocated engine shares a trainer rank's bundle (and so its GPU); a dedicated
+engine takes `tensor_parallel_size` bundles of its own. Actors sharing a bundle split its resources,
+which is what makes Ray put them on the same GPU. On CPU a bundle stands in for a device: its index
+is the device id the weight-sync plan compares.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlhf_orch.config import ExperimentConfig, engine_names
+from rlhf_orch.errors import ConfigError
+
+CPU_SLOT = 0.25   # logical CPUs per slot on CPU runs: 2 trainer ranks + 2 engines fit in one core's worth
+
+
+@dataclass
+class Placement:
+    pg: object
+    device: str
+    trainer_bundles: list[int]
+    engine_bundles: dict[str, list[int]]
+    sharing: dict[int, int] = field(default_factory=dict)    # bundle -> number of actors in it
+
+    def options(self, bundle: int, name: str, env: dict) -> dict:
+        share = 1.0 / self.sharing.get(bundle, 1)
+        opts = {
+            "name": name,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+            "runtime_env": {"env_vars": env},
+        }
+        if self.device == "cuda":
+            opts.update(num_gpus=share, num_cpus=share)
+        else:
+            opts.update(num_cpus=CPU_SLOT * share)
+        return opts
+
+    def device_id(self, bundle: int) -> str:
+        """The CPU stand-in for a device id (GPU actors report their GPU's UUID instead)."""
+        return f"{self.pg.id.hex()[:8]}/cpu-slot{bundle}"
+
+    def release(self) -> None:
+        remove_placement_group(self.pg)
+
+
+def allocate(cfg: ExperimentConfig, timeout_s: float) -> Placement:
+    n = cfg.trainer.num_ranks
+    trainer_bundles = list(range(n))
+    engine_bundles: dict[str, list[int]] = {}
+    next_bundle, next_colocated = n, 0
+    names = iter(engine_names(cfg))
+    for e in cfg.engines:
+        for _ in range(e.count):
+            name = next(names)
+            if e.placement == "colocated":
+                engine_bundles[name] = [next_colocated]
+                next_colocated += 1
+            else:
+                engine_bundles[name] = list(range(next_bundle, next_bundle + e.tensor_parallel_size))
+                next_bundle += e.tensor_parallel_size
+    slot = {"GPU": 1.0, "CPU": 1.0} if cfg.trainer.device == "cuda" else {"CPU": CPU_SLOT}
+    pg = placement_group([dict(slot) for _ in range(next_bundle)], strategy="PACK", name=f"{cfg.experiment.name}-pg")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        need = next_bundle if cfg.trainer.device == "cuda" else next_bundle * CPU_SLOT
+        key = "GPU" if cfg.trainer.device == "cuda" else "CPU"
+        raise ConfigError(f"placement: the run needs {need:g} {key}s ({n} trainer ranks + dedicated engines) "
+                          f"but the cluster offers {ray.cluster_resources().get(key, 0):g}; "
+                          "lower trainer.num_ranks or the engines' count, or add nodes")
+    sharing: dict[int, int] = {}
+    for b in trainer_bundles + [b for bs in engine_bundles.values() for b in bs]:
+        sharing[b] = sharing.get(b, 0) + 1
+    return Placement(pg, cfg.trainer.device, trainer_bundles, engine_bundles, sharing)

@@ -1,0 +1,74 @@
+"""Rollout actors: one Ray actor per engine, wrapping an engine of any kind and its weight receiver.
+
+The actor builds the engine by `kind` through the lazy registry, forwards generate/pause/resume,
+and owns the engine's `WeightReceiver` (ipc or broadcast end). Engines whose workers live in other
+processes (vLLM, SGLang) run their receivers inside those workers; the hf engine runs it here.
+"""
+from __future__ import annotations
+
+import time
+
+import ray
+
+from actors.common import setup_process
+from rlhf_orch.engines import SamplingParams, engine_class
+from rlhf_orch.weight_sync import WeightReceiver
+
+
+@ray.remote
+class RolloutActor:
+    def __init__(self, name: str, kind: str, device: str, device_id: str, kwargs: dict):
+        setup_process(device)
+        self.name = name
+        cls = engine_class(kind)
+        self.engine = cls(name=name, device=device, device_id=device_id, **kwargs)
+        self.receiver = None
+        self.verify = True
+
+    def device_ids(self) -> list[str]:
+        return self.engine.device_ids()
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams):
+        t0 = time.perf_counter()
+        samples = self.engine.generate(prompts, params)
+        secs = time.perf_counter() - t0
+        tokens = sum(len(s.response_ids) for s in samples)
+        return samples, {"tokens": tokens, "seconds": secs}
+
+    # ---- weight sync ----------------------------------------------------------------------------
+    def setup_receiver(self, layouts, group: dict | None, rank: int, verify: bool, timeout_s: float) -> float:
+        import torch
+        self.verify = verify
+        device = getattr(self.engine, "device", torch.device("cpu"))
+        self.receiver = WeightReceiver(layouts, device, self.engine.load_weights, self.engine.checksums)
+        if group is None:
+            return 0.0
+        return self.receiver.join_group(group["backend"], group["host"], group["port"], rank, group["world_size"],
+                                        timeout_s, ray.util.get_node_ip_address())
+
+    def receive_ipc(self, handle, bucket_index: int, version: int) -> list[int]:
+        return self.receiver.receive_ipc(handle, bucket_index, self.verify)
+
+    def receive_broadcast(self, version: int):
+        return self.receiver.receive_broadcast(self.verify)
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def finish_sync(self, version: int) -> None:
+        self.engine.finish_sync(version)
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+
+
+def sampling_params(cfg_sampling, n: int) -> SamplingParams:
+    return SamplingParams(temperature=cfg_sampling.temperature, top_p=cfg_sampling.top_p,
+                          max_new_tokens=cfg_sampling.max_new_tokens, n=n)

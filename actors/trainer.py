@@ -1,0 +1,138 @@
+"""Trainer actors: one Ray actor per DeepSpeed rank, and the driver-side group that drives them.
+
+`TrainerActor` only builds a `DeepSpeedTrainer` and a `WeightSender` and forwards calls; `TrainerGroup`
+(driver side, not an actor) starts N of them with a rendezvous from rank 0, shards batches and
+averages their metrics. Bulk tensors move between trainer and engines only through the sender's
+transports; Ray carries small batches, handles and metrics.
+"""
+from __future__ import annotations
+
+import os
+
+import ray
+
+from actors.common import actor_env, get, setup_process
+from actors.placement import Placement
+from rlhf_orch.errors import TrainerError
+from rlhf_orch.trainer.batch import shard
+from rlhf_orch.types import TrainBatch
+from rlhf_orch.weight_sync import WeightSender
+from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
+
+
+@ray.remote
+class TrainerActor:
+    def __init__(self, rank: int, world_size: int, device: str, device_id: str):
+        setup_process(device)
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self._device_id = device_id
+        self.trainer = None
+        self.sender = None
+        self.engines = {}
+        self.timeout_s = 300.0
+
+    def node_address(self) -> tuple[str, int]:
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port(ip)
+
+    def init(self, master_addr: str, master_port: int, model_path: str, kwargs: dict) -> str:
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        from rlhf_orch.trainer.deepspeed_trainer import DeepSpeedTrainer
+        self.trainer = DeepSpeedTrainer(model_path, self.rank, self.world_size, device=self.device, **kwargs)
+        return self.device_id()
+
+    def device_id(self) -> str:
+        return self.trainer.device_id() or self._device_id
+
+    # ---- training -----------------------------------------------------------------------------
+    def logprobs(self, batch: TrainBatch):
+        return self.trainer.logprobs(batch)
+
+    def train_step(self, batch: TrainBatch, num_tokens_global: float) -> dict:
+        return self.trainer.train_step(batch, num_tokens_global)
+
+    def sft_step(self, batch: TrainBatch, num_tokens_global: float) -> dict:
+        return self.trainer.sft_step(batch, num_tokens_global)
+
+    def snapshot_reference(self) -> None:
+        self.trainer.snapshot_reference()
+
+    def save_checkpoint(self, directory: str, tag: str, client_state: dict) -> str:
+        return self.trainer.save_checkpoint(directory, tag, client_state)
+
+    def export_hf(self, directory: str) -> None:
+        self.trainer.export_hf(directory)
+
+    # ---- weight sync ----------------------------------------------------------------------------
+    def param_specs(self, dtype: str):
+        return self.trainer.param_specs(dtype)
+
+    def setup_sender(self, layouts, ipc_engines: dict, group: dict | None, verify: bool, timeout_s: float) -> float:
+        """Build this rank's sender. Rank 0 with `group` hosts the broadcast store and warms it up."""
+        self.engines, self.timeout_s = ipc_engines, timeout_s
+        bgroup = None
+        if group is not None:
+            bgroup = BroadcastGroup(group["backend"], group["host"], group["port"], 0, group["world_size"],
+                                    timeout_s, self.trainer.device, ray.util.get_node_ip_address())
+            bgroup.warmup()
+        self.sender = WeightSender(layouts, self.trainer.device, list(ipc_engines), bgroup, verify)
+        return 1.0
+
+    def send_weights(self, version: int, gather_bytes: int):
+        def deliver(engine, handle, index, v):
+            return self.engines[engine].receive_ipc.remote(handle, index, v)
+
+        def wait(ref):
+            return get(ref, self.timeout_s, "an engine loading an ipc bucket", TrainerError)
+
+        return self.sender.send(self.trainer.iter_named_tensors(gather_bytes), version, deliver, wait)
+
+
+class TrainerGroup:
+    """Driver-side handle on all trainer ranks (not an actor)."""
+
+    def __init__(self, placement: Placement, device: str, name: str, timeout_s: float):
+        n = len(placement.trainer_bundles)
+        self.timeout_s = timeout_s
+        env = actor_env(device)
+        self.actors = [
+            TrainerActor.options(**placement.options(b, f"{name}-trainer-{r}", env)).remote(
+                r, n, device, placement.device_id(b))
+            for r, b in enumerate(placement.trainer_bundles)
+        ]
+
+    def _all(self, what: str, method: str, *args):
+        return get([getattr(a, method).remote(*args) for a in self.actors], self.timeout_s, what, TrainerError)
+
+    def init(self, model_path: str, kwargs: dict) -> list[str]:
+        addr, port = get(self.actors[0].node_address.remote(), self.timeout_s, "trainer rank 0", TrainerError)
+        refs = [a.init.remote(addr, port, model_path, kwargs) for a in self.actors]
+        return get(refs, self.timeout_s, "trainer ranks to initialise DeepSpeed", TrainerError)
+
+    def logprobs(self, batch: TrainBatch):
+        import torch
+        parts = get([a.logprobs.remote(s) for a, s in zip(self.actors, shard(batch, len(self.actors)))],
+                    self.timeout_s, "trainer logprobs", TrainerError)
+        width = batch.input_ids.shape[1]
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+    def step(self, method: str, batch: TrainBatch) -> dict:
+        """Run `train_step` or `sft_step` on every rank's shard; metrics averaged (max for *_max, summed counts)."""
+        tokens = float(batch.response_mask.sum())
+        shards = shard(batch, len(self.actors))
+        results = get([getattr(a, method).remote(s, tokens) for a, s in zip(self.actors, shards)],
+                      self.timeout_s, f"trainer {method}", TrainerError)
+        out: dict[str, float] = {}
+        for key in results[0]:
+            vals = [r[key] for r in results]
+            if key.endswith("_max"):
+                out[key] = max(vals)
+            elif key.endswith("_sum") or key.endswith("tokens"):
+                out[key] = sum(vals)
+            else:
+                out[key] = sum(vals) / len(vals)
+        return out
+
+    def call(self, method: str, *args):
+        return self._all(f"trainer {method}", method, *args)

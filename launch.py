@@ -1,0 +1,143 @@
+"""rlhf_orch entry point: the whole RL loop, top to bottom.
+
+    python launch.py --config configs/tiny_cpu.yaml [section.key=value ...]
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- python launch.py --config configs/tiny_cpu.yaml
+
+Story: validate everything -> allocate -> build actors -> (warm start) -> initial sync -> per step:
+generate -> score -> train -> sync -> log/checkpoint; metrics, plots and a checkpoint are written in
+`finally`, so a failed run still leaves them readable.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+logger = logging.getLogger("rlhf_orch.launch")
+
+
+def prepare(argv):
+    """Everything that can fail on bad input, before Ray or any actor starts."""
+    from transformers import AutoTokenizer
+    from rlhf_orch.config import load_config
+    from rlhf_orch.data import PromptDataset, load_rows
+    from rlhf_orch.models import BUILTIN_PREFIX, ensure_model_dir
+
+    p = argparse.ArgumentParser(description="RL post-training with Ray, DeepSpeed and vLLM/SGLang/HF engines.")
+    p.add_argument("--config", required=True, help="experiment YAML, e.g. configs/tiny_cpu.yaml")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. trainer.lr=1e-4 experiment.steps=10")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(cfg.experiment.output_dir) / cfg.experiment.name
+    rows = load_rows(cfg.data.source, cfg.data.max_operand, cfg.experiment.seed)
+    model_path = cfg.model.path
+    if model_path.startswith(BUILTIN_PREFIX):
+        model_path = str(ensure_model_dir(model_path.removeprefix(BUILTIN_PREFIX), cfg.model.tiny,
+                                          Path(cfg.experiment.output_dir) / "models", cfg.experiment.seed).resolve())
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    dataset = PromptDataset(rows, tokenizer, cfg.data.max_prompt_tokens, cfg.experiment.seed)
+    return cfg, run_dir, model_path, tokenizer, dataset
+
+
+def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
+    import ray
+    import torch
+    from tqdm import tqdm
+    from actors.builder import Cluster
+    from rlhf_orch.algorithms import compute_advantages
+    from rlhf_orch.errors import WeightSyncError
+    from rlhf_orch.metrics import PhaseTimer
+    from rlhf_orch.rollout_utils import check_versions, reward_summary, rollout_metrics, warm_start_pairs
+    from rlhf_orch.trainer.batch import build_sft_batch, build_train_batch
+
+    cfg_a, seed = cfg.algorithm, cfg.experiment.seed
+    random.seed(seed), torch.manual_seed(seed)
+    cluster, sinks, records = None, None, []
+    try:
+        cluster = Cluster.start(cfg, run_dir, model_path)           # Ray, placement, all actors, sinks
+        sinks = cluster.sinks
+        if cfg.trainer.warm_start_steps:
+            rng = random.Random(seed)
+            enc = lambda s: tokenizer(s, add_special_tokens=False).input_ids
+            for _ in tqdm(range(cfg.trainer.warm_start_steps), desc="warm start", file=sys.stderr):
+                pairs = warm_start_pairs(dataset.rows, 64, cfg.trainer.warm_start_real_answers, rng)
+                batch = build_sft_batch([enc(p) for p, _ in pairs], [enc(a) + [tokenizer.eos_token_id] for _, a in pairs],
+                                        tokenizer.pad_token_id)
+                cluster.trainers.step("sft_step", batch)
+        cluster.trainers.call("snapshot_reference")
+        sync_metrics = cluster.sync(0)                                 # engines start from the trainer's weights
+        logger.info("initial sync: %.1f MB in %.3fs (%s)", sync_metrics["sync/bytes"] / 1e6,
+                    sync_metrics["sync/total_s"], cluster.plan)
+        bar = tqdm(range(1, cfg.experiment.steps + 1), desc="GRPO" if cfg_a.name == "grpo" else cfg_a.name, file=sys.stderr)
+        for step in bar:
+            timer = PhaseTimer()
+            with timer.phase("step"):
+                prompts = dataset.next_batch(cfg.data.prompts_per_step)
+                with timer.phase("generate"):
+                    samples, gen_s = cluster.generate(prompts, cfg_a.group_size)
+                check_versions(samples, step - 1)
+                with timer.phase("reward"):
+                    rewards = torch.tensor(cluster.score(samples, prompts))
+                group_ids = torch.tensor([s.prompt_index for s in samples])
+                adv = compute_advantages(cfg_a.name, rewards, group_ids,
+                                         **({"norm_by_std": cfg_a.norm_adv_by_std} if cfg_a.name == "grpo" else {}))
+                batch = build_train_batch(samples, adv, tokenizer.pad_token_id)
+                with timer.phase("train"):
+                    if cfg.trainer.ppo_epochs > 1:
+                        batch.old_logprobs = cluster.trainers.logprobs(batch)
+                    train = cluster.trainers.step("train_step", batch)
+                with timer.phase("sync"):
+                    sync_metrics = cluster.sync(step)
+            m = {**rollout_metrics(prompts, samples, rewards, adv, gen_s), **train, **sync_metrics, **timer.metrics()}
+            m["rollout/logprob_diff_mean"] = train["train/logprob_diff_sum"] / max(train["train/tokens"], 1.0)
+            m["rollout/logprob_diff_max"] = train["train/logprob_diff_max"]
+            alarm = cfg.weight_sync.mismatch_alarm
+            if alarm and m["rollout/logprob_diff_max"] > alarm:
+                raise WeightSyncError(f"engine/trainer logprobs differ by {m['rollout/logprob_diff_max']:.4f} "
+                                      f"> weight_sync.mismatch_alarm {alarm} after sync v{step - 1}")
+            records.append(m)
+            sinks.write(step, m)
+            bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}", kl=f"{m.get('train/kl', 0.0):.4f}",
+                            step_s=f"{m['perf/step_s']:.2f}", sync_s=f"{m['sync/total_s']:.3f}")
+            if cfg.experiment.log_samples_every and step % cfg.experiment.log_samples_every == 0:
+                s = samples[0]
+                logger.info("step %d sample: %r -> %r (reward %.2f)", step, prompts[s.prompt_index].text, s.text, float(rewards[0]))
+            if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
+                cluster.checkpoint(step, dataset.state())
+        summary = reward_summary([r["rollout/reward_mean"] for r in records])
+        summary.update(syncs=len(records) + 1, checksum_failures=0, transports=cluster.plan)
+        return summary
+    finally:
+        if cluster is not None:
+            cluster.close(records, dataset.state())
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=os.environ.get("RLHF_ORCH_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from rlhf_orch.errors import RLHFOrchError
+    try:
+        cfg, run_dir, model_path, tokenizer, dataset = prepare(argv)
+    except RLHFOrchError as e:
+        for line in str(e).splitlines():
+            sys.stderr.write(f"error: {line}\n")
+        return 2
+    t0 = time.time()
+    try:
+        summary = run(cfg, run_dir, model_path, tokenizer, dataset)
+    except RLHFOrchError as e:
+        sys.stderr.write(f"error: {type(e).__name__}: {e}\nmetrics and checkpoints so far are in {run_dir}\n")
+        return 1
+    summary["wall_s"] = round(time.time() - t0, 1)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    logger.info("done: %s", json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The experiment config: one pydantic tree, extra keys forbidden, every field described.
+
+Cross-field rules live in one validator (`ExperimentConfig._cross_checks`) that reports every problem
+at once, each naming the field and the fix. The engine section is a list of entries chosen by `kind`
+(a discriminated union), so vLLM/SGLang options are validated without importing either package.
+
+This module only describes and validates; loading YAML, overrides and imports of user code live in
+loader.py.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rlhf_orch.models.tiny import TinyModelSpec
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ExperimentSection(_Section):
+    name: str = Field("experiment", min_length=1, description="Run name; used for output folders and metric tags.")
+    output_dir: str = Field("runs", description="Parent folder; the run writes to <output_dir>/<name>/.")
+    seed: int = Field(0, description="Seeds Python, torch and the data order on every actor.")
+    steps: int = Field(100, ge=1, description="RL steps (each: generate -> score -> train -> sync).")
+    log_samples_every: int = Field(25, ge=0, description="Log one decoded sample every N steps (0: never).")
+
+
+class RaySection(_Section):
+    address: str | None = Field(None, description="Ray cluster to join; default: RAY_ADDRESS, else start a local one.")
+    num_cpus: float | None = Field(None, gt=0, description="CPUs for a local Ray (default: the machine's).")
+    get_timeout_s: float = Field(600.0, gt=0, description="Timeout of every blocking wait on an actor.")
+
+
+class ModelSection(_Section):
+    path: str = Field("builtin:tiny-llama", description="HF model folder, or 'builtin:tiny-llama' to build one in code.")
+    tiny: TinyModelSpec = Field(default_factory=TinyModelSpec, description="Shape of the built-in model.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Engine and sync dtype.")
+
+
+class DataSection(_Section):
+    source: str = Field("builtin:arithmetic", description="'builtin:arithmetic', 'builtin:reverse' or a .jsonl file of {\"prompt\": ...} rows.")
+    max_operand: int = Field(4, ge=1, le=99, description="builtin:arithmetic: operands run 0..max_operand.")
+    prompts_per_step: int = Field(16, ge=1, description="Distinct prompts per RL step.")
+    max_prompt_tokens: int = Field(32, ge=1, description="Rows whose prompt is longer are rejected at load.")
+
+
+class RewardSection(_Section):
+    function: str = Field("rlhf_orch.rewards.builtin:exact_match", description="Dotted path 'package.module:function' of fn(response: str, row: dict) -> float.")
+    num_workers: int = Field(1, ge=1, description="Reward actors scoring in parallel.")
+
+
+class AlgorithmSection(_Section):
+    name: str = Field("grpo", description="Advantage estimator: grpo, rloo or reinforce_pp.")
+    group_size: int = Field(8, ge=1, description="Samples per prompt (n).")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (low side).")
+    clip_eps_high: float | None = Field(None, gt=0, description="Upper clip range (default: clip_eps).")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of KL(policy || frozen reference) in the loss; 0 disables the reference.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator used in the loss and in metrics.")
+    norm_adv_by_std: bool = Field(True, description="grpo only: divide by the group std (False: Dr.GRPO-style centring).")
+
+
+class TrainerSection(_Section):
+    num_ranks: int = Field(2, ge=1, description="DeepSpeed data-parallel ranks, one Ray actor each.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cpu (gloo) or cuda (NCCL, one GPU per rank).")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    ppo_epochs: int = Field(1, ge=1, description="Optimizer passes over each rollout batch.")
+    warm_start_steps: int = Field(0, ge=0, description="Supervised steps on the task's format before RL (0: none).")
+    warm_start_real_answers: bool = Field(False, description="Warm start on real answers (True) or on random answers that teach only the format (False).")
+    checkpoint_every: int = Field(0, ge=0, description="Save a DeepSpeed checkpoint every N steps (0: only at the end).")
+    bf16: bool = Field(False, description="Train in bf16 (GPU).")
+
+
+class SamplingSection(_Section):
+    temperature: float = Field(1.0, gt=0, description="Softmax temperature (the trainer uses the same one).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_new_tokens: int = Field(5, ge=1, description="Longest response in tokens.")
+
+
+class _EngineBase(_Section):
+    name: str | None = Field(None, description="Label on the dashboard and in metrics (default: <kind><index>).")
+    count: int = Field(1, ge=1, description="Identical engines of this entry.")
+    placement: Literal["colocated", "dedicated"] = Field("dedicated", description="colocated: share trainer ranks' devices; dedicated: own devices.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Devices per engine (dedicated engines).")
+    sampling: SamplingSection = Field(default_factory=SamplingSection, description="Sampling parameters.")
+
+
+class HFEngineConfig(_EngineBase):
+    kind: Literal["hf"] = Field(description="Built-in transformers engine (CPU or one GPU).")
+    max_batch_size: int = Field(256, ge=1, description="Sequences per generate call.")
+
+
+class VLLMEngineConfig(_EngineBase):
+    kind: Literal["vllm"] = Field(description="vLLM engine (needs the 'vllm' extra and CUDA).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="Fraction of each GPU vLLM may use.")
+    enable_sleep_mode: bool = Field(True, description="Release KV cache and weights while the trainer trains (colocated).")
+    enforce_eager: bool = Field(False, description="Skip CUDA graphs (faster start, slower decode).")
+
+
+class SGLangEngineConfig(_EngineBase):
+    kind: Literal["sglang"] = Field(description="SGLang engine (needs the 'sglang' extra and CUDA).")
+    mem_fraction_static: float = Field(0.5, gt=0, le=1, description="Fraction of each GPU SGLang may use.")
+    python_path: str | None = Field(None, description="Extra PYTHONPATH for SGLang actors (its own environment).")
+
+
+EngineConfig = Annotated[Union[HFEngineConfig, VLLMEngineConfig, SGLangEngineConfig], Field(discriminator="kind")]
+ENGINE_KINDS = ("hf", "vllm", "sglang")
+
+
+class WeightSyncSection(_Section):
+    transport: Literal["auto", "ipc", "broadcast"] = Field("auto", description="auto: ipc for engines on trainer devices, broadcast otherwise.")
+    bucket_size_mb: float = Field(256, gt=0, description="Flattened bucket size in MiB.")
+    verify: bool = Field(True, description="Compare trainer and engine checksums after every sync; a mismatch fails the step.")
+    timeout_s: float = Field(300.0, gt=0, description="Timeout for one sync and for group creation.")
+    mismatch_alarm: float | None = Field(None, gt=0, description="Fail if max |engine - trainer| logprob after a sync exceeds this.")
+
+
+class MetricsSection(_Section):
+    jsonl: bool = Field(True, description="Write <run>/metrics.jsonl.")
+    tensorboard: bool = Field(True, description="Write TensorBoard events under <run>/tb.")
+    ray_metrics: bool = Field(True, description="Export ray.util.metrics gauges (Prometheus endpoint, dashboard).")
+    plots: bool = Field(True, description="Write PNG plots at the end of the run.")
+
+
+class ExperimentConfig(_Section):
+    experiment: ExperimentSection = Field(default_factory=ExperimentSection, description="Run identity and length.")
+    ray: RaySection = Field(default_factory=RaySection, description="Ray cluster.")
+    model: ModelSection = Field(default_factory=ModelSection, description="Policy model.")
+    data: DataSection = Field(default_factory=DataSection, description="Prompt dataset.")
+    reward: RewardSection = Field(default_factory=RewardSection, description="Reward function.")
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection, description="RL algorithm.")
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="DeepSpeed trainer group.")
+    engines: list[EngineConfig] = Field(min_length=1, description="Rollout engines, one entry per kind/placement.")
+    weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection, description="Weight sync.")
+    metrics: MetricsSection = Field(default_factory=MetricsSection, description="Metric outputs.")
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        problems = cross_field_problems(self)
+        if problems:
+            # Joined so pydantic reports them as one error; loader.py splits them back into lines.
+            raise ValueError("\n".join(problems))
+        return self
+
+
+def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
+    """Every rule that involves more than one field. Each message names the field and the fix."""
+    from rlhf_orch.algorithms import ADVANTAGE_ESTIMATORS
+
+    p: list[str] = []
+    if cfg.algorithm.name not in ADVANTAGE_ESTIMATORS:
+        p.append(f"algorithm.name: unknown estimator {cfg.algorithm.name!r}; use one of: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+    colocated = sum(e.count for e in cfg.engines if e.placement == "colocated")
+    if colocated > cfg.trainer.num_ranks:
+        p.append(f"engines: {colocated} colocated engines but trainer.num_ranks is {cfg.trainer.num_ranks}; "
+                 "each colocated engine shares one trainer rank's device, so use at most "
+                 f"{cfg.trainer.num_ranks} or set placement: dedicated on some")
+    for i, e in enumerate(cfg.engines):
+        if e.placement == "colocated" and e.tensor_parallel_size > 1:
+            p.append(f"engines.{i}.tensor_parallel_size: colocated engines use one device each; set it to 1 or placement: dedicated")
+        if e.kind == "hf" and e.tensor_parallel_size > 1:
+            p.append(f"engines.{i}.tensor_parallel_size: the hf engine has no tensor parallelism; set it to 1 or use kind: vllm")
+        if e.kind in ("vllm", "sglang") and cfg.trainer.device != "cuda":
+            p.append(f"engines.{i}.kind: {e.kind} needs GPUs; set trainer.device: cuda or use kind: hf")
+        if e.sampling.max_new_tokens + cfg.data.max_prompt_tokens > cfg.model.tiny.max_position_embeddings and cfg.model.path.startswith("builtin:"):
+            p.append(f"engines.{i}.sampling.max_new_tokens: prompt ({cfg.data.max_prompt_tokens}) + response "
+                     f"({e.sampling.max_new_tokens}) exceed model.tiny.max_position_embeddings "
+                     f"({cfg.model.tiny.max_position_embeddings}); lower one or raise the other")
+    names = [n for n in engine_names(cfg)]
+    if len(set(names)) != len(names):
+        p.append("engines: two entries share a name; give each entry a distinct name")
+    if cfg.weight_sync.transport == "ipc" and any(e.placement == "dedicated" for e in cfg.engines):
+        p.append("weight_sync.transport: ipc needs every engine colocated with a trainer rank; use auto or broadcast")
+    if cfg.trainer.bf16 and cfg.trainer.device == "cpu":
+        p.append("trainer.bf16: bf16 training is for cuda here; set trainer.bf16: false or trainer.device: cuda")
+    return p
+
+
+def engine_names(cfg: ExperimentConfig) -> list[str]:
+    """One name per engine instance, expanding `count` (e.g. ['hf0', 'hf1'] or ['gen-0', 'gen-1'])."""
+    out = []
+    for i, e in enumerate(cfg.engines):
+        base = e.name or f"{e.kind}{i}"
+        out.extend([base] if e.count == 1 else [f"{base}-{k}" for k in range(e.count)])
+    return out

@@ -1,0 +1,119 @@
+"""Prompt datasets: load and validate rows, then hand out shuffled batches with a resumable cursor.
+
+Rows come from a built-in synthetic task or a JSONL file; every row must be a JSON object with a
+non-empty string "prompt" (other fields ride along to the reward function). All bad rows are
+reported at once, by line number, before any actor starts. Tokenisation happens here too, so prompt
+length limits are checked up front.
+
+This module does not group samples per prompt (the driver repeats each prompt `group_size` times
+through the engines) and does not know about Ray.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf_orch.data.tasks import TASKS, arithmetic_rows
+from rlhf_orch.errors import DataError
+from rlhf_orch.types import Prompt
+
+
+def load_rows(source: str, max_operand: int = 9, seed: int = 0) -> list[dict]:
+    """Rows of `source`: 'builtin:<task>' or a path to a .jsonl file. Raises DataError on any bad row."""
+    if source.startswith("builtin:"):
+        task = source.removeprefix("builtin:")
+        if task not in TASKS:
+            raise DataError(f"data.source: unknown built-in task {task!r}; use one of: {', '.join('builtin:' + t for t in TASKS)}")
+        return arithmetic_rows(max_operand, seed=seed) if task == "arithmetic" else TASKS[task](seed=seed)
+    path = Path(source)
+    if not path.is_file():
+        raise DataError(f"data.source: file {source!r} not found; give a .jsonl path or builtin:arithmetic")
+    rows, problems = [], []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"{source}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object")
+            continue
+        problem = _row_problem(row)
+        if problem:
+            problems.append(f"{source}:{lineno}: {problem}")
+        else:
+            rows.append(row)
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more bad rows"] if len(problems) > 20 else [])
+        raise DataError("\n".join(shown))
+    if not rows:
+        raise DataError(f"data.source: {source!r} has no rows; add lines like {{\"prompt\": \"2+2=\", \"answer\": \"4\"}}")
+    return rows
+
+
+def _row_problem(row) -> str | None:
+    if not isinstance(row, dict):
+        return f"row is a {type(row).__name__}, not a JSON object with a 'prompt' field"
+    if "prompt" not in row:
+        return f"row has no 'prompt' field (keys: {', '.join(sorted(row)) or 'none'}); add \"prompt\": \"...\""
+    if not isinstance(row["prompt"], str) or not row["prompt"]:
+        return "'prompt' must be a non-empty string"
+    return None
+
+
+@dataclass
+class Cursor:
+    """Where the dataset stands: which epoch, and how far into that epoch's shuffled order."""
+
+    epoch: int = 0
+    offset: int = 0
+
+
+class PromptDataset:
+    """Tokenized prompts served in shuffled epochs; `state()`/`restore()` make the order resumable."""
+
+    def __init__(self, rows: list[dict], tokenizer, max_prompt_tokens: int, seed: int = 0):
+        self.rows = rows
+        self.seed = seed
+        self.cursor = Cursor()
+        self.token_ids: list[list[int]] = []
+        too_long = []
+        for i, row in enumerate(rows):
+            ids = tokenizer(row["prompt"], add_special_tokens=False).input_ids
+            if len(ids) > max_prompt_tokens:
+                too_long.append(i)
+            self.token_ids.append(ids)
+        if too_long:
+            raise DataError(f"data.max_prompt_tokens: {len(too_long)} rows are longer than {max_prompt_tokens} "
+                            f"tokens (first: row {too_long[0]}); raise the limit or shorten them")
+        if any(len(ids) == 0 for ids in self.token_ids):
+            raise DataError("data.source: a prompt tokenized to zero tokens; check the tokenizer and the rows")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next_batch(self, n: int) -> list[Prompt]:
+        """The next `n` prompts, crossing epoch boundaries (each epoch reshuffled) as needed."""
+        out: list[Prompt] = []
+        while len(out) < n:
+            order = self._order(self.cursor.epoch)
+            take = order[self.cursor.offset:self.cursor.offset + (n - len(out))]
+            for i in take:
+                out.append(Prompt(index=len(out), text=self.rows[i]["prompt"], token_ids=self.token_ids[i], row=self.rows[i]))
+            self.cursor.offset += len(take)
+            if self.cursor.offset >= len(order):
+                self.cursor = Cursor(self.cursor.epoch + 1, 0)
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.cursor.epoch, "offset": self.cursor.offset, "seed": self.seed}
+
+    def restore(self, state: dict) -> None:
+        self.seed = state["seed"]
+        self.cursor = Cursor(state["epoch"], state["offset"])

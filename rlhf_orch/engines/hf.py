@@ -1,0 +1,139 @@
+"""The built-in rollout engine: batched `transformers` generation on CPU or one GPU.
+
+It exists so the whole system runs and is tested without vLLM or SGLang: same Protocol, same weight
+receivers, same checksum verification. Generation is left-padded and batched (`max_batch_size`
+sequences per call); per-token logprobs are log_softmax(logits / temperature) of the sampled tokens,
+the same quantity the trainer computes, so their difference measures train/inference mismatch.
+
+It does not do continuous batching, paged KV caches or tensor parallelism: use vLLM for speed.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Sequence
+
+import torch
+
+from rlhf_orch.engines.base import SamplingParams
+from rlhf_orch.errors import EngineError
+from rlhf_orch.types import Sample, dtype_from_name
+from rlhf_orch.weight_sync.buckets import checksums
+
+logger = logging.getLogger(__name__)
+
+
+class HFEngine:
+    def __init__(self, name: str, model_path: str, device: str = "cpu", dtype: str = "float32",
+                 device_id: str = "", max_batch_size: int = 256, seed: int = 0):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.name = name
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.weight_version = -1        # nothing synced yet: the first sync makes it 0
+        self._device_id = device_id
+        self._paused = False
+        self._lock = threading.Lock()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype_from_name(dtype)).to(self.device)
+        except Exception as e:
+            raise EngineError(f"engine {name}: cannot load model from {model_path!r}: {type(e).__name__}: {e}") from e
+        self.model.eval()
+        self.params = dict(self.model.named_parameters())
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        self._gen = torch.Generator(device=self.device).manual_seed(seed)
+
+    def device_ids(self) -> list[str]:
+        return [self._device_id]
+
+    # ---- generation -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+        if self._paused:
+            raise EngineError(f"engine {self.name}: generate called while paused for a weight sync")
+        flat = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+        out: list[Sample] = []
+        with self._lock:
+            for start in range(0, len(flat), self.max_batch_size):
+                out.extend(self._generate_batch(flat[start:start + self.max_batch_size], params))
+        return out
+
+    def _generate_batch(self, items, params: SamplingParams) -> list[Sample]:
+        width = max(len(p) for _, p in items)
+        ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (_, p) in enumerate(items):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        # Sampling by hand (not model.generate) keeps the logprobs exactly log_softmax(logits / T) and
+        # lets us use our own RNG, so a seeded run is reproducible whatever else shares the process.
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        past = out.past_key_values
+        logits = out.logits[:, -1].float()
+        done = torch.zeros(len(items), dtype=torch.bool, device=self.device)
+        tokens, logps = [], []
+        next_pos = pos[:, -1:] + 1
+        for step in range(params.max_new_tokens):
+            logp = torch.log_softmax(logits / params.temperature, dim=-1)
+            tok = self._sample(logp, params.top_p)
+            tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
+            tokens.append(tok)
+            logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
+            done |= tok == self.eos_id
+            if bool(done.all()) or step + 1 == params.max_new_tokens:
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                             past_key_values=past, use_cache=True)
+            past, logits, next_pos = out.past_key_values, out.logits[:, -1].float(), next_pos + 1
+        toks = torch.stack(tokens, 1).tolist()
+        lps = torch.stack(logps, 1).tolist()
+        samples = []
+        for row, (pi, p) in enumerate(items):
+            resp, lp = toks[row], lps[row]
+            if self.eos_id in resp:
+                cut = resp.index(self.eos_id) + 1
+                resp, lp, reason = resp[:cut], lp[:cut], "stop"
+            else:
+                reason = "length"
+            samples.append(Sample(prompt_index=pi, prompt_ids=p, response_ids=resp, logprobs=lp,
+                                  finish_reason=reason, weight_version=self.weight_version, engine=self.name,
+                                  text=self.tokenizer.decode(resp, skip_special_tokens=True)))
+        return samples
+
+    def _sample(self, logp: torch.Tensor, top_p: float) -> torch.Tensor:
+        probs = logp.exp()
+        if top_p < 1.0:
+            sorted_p, idx = probs.sort(dim=-1, descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < top_p    # always keeps the most likely token
+            sorted_p = sorted_p * keep
+            choice = torch.multinomial(sorted_p, 1, generator=self._gen)
+            return idx.gather(-1, choice).squeeze(-1)
+        return torch.multinomial(probs, 1, generator=self._gen).squeeze(-1)
+
+    # ---- weights ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in named:
+            p = self.params.get(name)
+            if p is None:
+                raise EngineError(f"engine {self.name}: no parameter named {name!r} in the model")
+            p.copy_(t, non_blocking=True)
+
+    def checksums(self, names: list[str]) -> list[int]:
+        return checksums(self.params[n] for n in names)
+
+    def pause(self) -> None:
+        with self._lock:   # waits for an in-flight generate to finish
+            self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def finish_sync(self, version: int) -> None:
+        self.weight_version = version   # no prefix cache here; the KV cache lives per call

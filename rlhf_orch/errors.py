@@ -1,0 +1,45 @@
+"""The project's error hierarchy.
+
+Every error a user can cause or meet derives from `RLHFOrchError`, so launch.py can catch one type,
+print one clear line per problem and exit non-zero. All classes are plain Exceptions with a single
+message argument so they pickle across Ray actor boundaries unchanged.
+
+This module does not log or format anything; callers choose how to present the message.
+"""
+
+
+class RLHFOrchError(Exception):
+    """Base class: a message that names what is wrong and how to fix it."""
+
+
+class ConfigError(RLHFOrchError):
+    """The experiment config (YAML, overrides or CLI flags) is invalid. One line per problem."""
+
+    def __init__(self, problems):
+        if isinstance(problems, str):
+            problems = [problems]
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+    def __reduce__(self):
+        return (type(self), (self.problems,))
+
+
+class DataError(RLHFOrchError):
+    """A prompt dataset is missing, unreadable or has malformed rows."""
+
+
+class RewardError(RLHFOrchError):
+    """A reward function failed to import, has the wrong signature, or returned a bad value."""
+
+
+class EngineError(RLHFOrchError):
+    """A rollout engine failed to start, generate, or load weights."""
+
+
+class WeightSyncError(RLHFOrchError):
+    """A weight sync failed: transport error, timeout, or checksum mismatch."""
+
+
+class TrainerError(RLHFOrchError):
+    """The trainer failed to initialise or to take a step."""

@@ -1,0 +1,32 @@
+"""Metrics for the driver: phase timing, metric sinks (JSONL, TensorBoard, Ray/Prometheus) and plots.
+
+Metrics are flat namespaced dicts of python numbers (`{"rollout/reward_mean": 0.4,
+"perf/generate_s": 1.2, ...}`) written only by the driver process.
+
+Importing this package does not import ray, matplotlib or tensorboard: each sink imports its
+library when constructed, and `plot_run` imports matplotlib when called.
+"""
+
+from rlhf_orch.metrics.plots import plot_run
+from rlhf_orch.metrics.sinks import (
+    JsonlSink,
+    MetricSink,
+    MultiSink,
+    RayMetricsSink,
+    TensorBoardSink,
+    gauge_name,
+    read_jsonl,
+)
+from rlhf_orch.metrics.timer import PhaseTimer
+
+__all__ = [
+    "JsonlSink",
+    "MetricSink",
+    "MultiSink",
+    "PhaseTimer",
+    "RayMetricsSink",
+    "TensorBoardSink",
+    "gauge_name",
+    "plot_run",
+    "read_jsonl",
+]

@@ -1,0 +1,94 @@
+"""Build a tiny causal LM and its tokenizer offline, as an ordinary Hugging Face model directory.
+
+Nothing here downloads: the tokenizer is a character-level `tokenizers` model and the network is a
+randomly initialised Llama-architecture `transformers` model. The result is written once to a directory
+(`config.json`, `model.safetensors`, `tokenizer.json`, ...) so the trainer and every engine load the
+same files by path, exactly as they would load a real checkpoint: the built-in default exercises the
+same loading code as production models.
+
+It does not train the model (the trainer's optional supervised warm start does that).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_PREFIX = "builtin:"
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+# Digits, operators and lowercase letters cover the synthetic tasks; order fixes the token ids.
+CHARS = list("0123456789+-*=() abcdefghijklmnopqrstuvwxyz?:.,")
+
+
+class TinyModelSpec(BaseModel):
+    """Shape of the built-in model (Llama architecture). Defaults train fast on 2 CPU cores."""
+
+    model_config = ConfigDict(extra="forbid")
+    hidden_size: int = Field(64, ge=8, description="Width of the residual stream.")
+    intermediate_size: int = Field(256, ge=8, description="MLP width.")
+    num_hidden_layers: int = Field(2, ge=1, description="Transformer blocks.")
+    num_attention_heads: int = Field(4, ge=1, description="Query heads; must divide hidden_size.")
+    num_key_value_heads: int = Field(2, ge=1, description="KV heads (GQA); must divide the query heads.")
+    max_position_embeddings: int = Field(64, ge=8, description="Longest prompt + response in tokens.")
+    tie_word_embeddings: bool = Field(False, description="Share the input embedding with the LM head.")
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer with <pad>=0, <bos>=1, <eos>=2, <unk>=3."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def _build_model(spec: TinyModelSpec, vocab_size: int, seed: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def ensure_model_dir(name: str, spec: TinyModelSpec, out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Write the built-in model `name` (e.g. "tiny-llama") under `out_dir` once; return its path.
+
+    The directory is reused when its recorded spec and seed match, so a resumed run keeps its files.
+    """
+    if name != "tiny-llama":
+        raise ValueError(f"unknown built-in model {name!r}; the only built-in is 'tiny-llama'")
+    path = Path(out_dir) / f"{name}-seed{seed}"
+    stamp = path / "rlhf_orch_spec.json"
+    wanted = {"spec": spec.model_dump(), "seed": seed}
+    if stamp.exists() and json.loads(stamp.read_text()) == wanted:
+        return path
+    tok = build_tokenizer()
+    model = _build_model(spec, len(tok), seed)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    stamp.write_text(json.dumps(wanted))
+    n = sum(p.numel() for p in model.parameters())
+    logger.info("built %s (%d parameters) at %s", name, n, path)
+    return path

@@ -1,0 +1,70 @@
+"""Small pure helpers the driver loop uses between actors: splitting work, checking versions,
+building warm-start batches and summarising a step's rollouts into flat `rollout/` metrics.
+
+Kept out of launch.py so the loop reads as a story and these pieces are unit-tested on their own.
+"""
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+import torch
+
+from rlhf_orch.errors import EngineError
+from rlhf_orch.types import Prompt, Sample
+
+
+def split_evenly(items: Sequence, parts: int) -> list[list]:
+    """Contiguous chunks whose sizes differ by at most one (some may be empty if parts > len(items))."""
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append(list(items[start:end]))
+        start = end
+    return out
+
+
+def check_versions(samples: Sequence[Sample], expected: int) -> None:
+    """Never train on stale weights: every sample must come from the version just synced."""
+    stale = {(s.engine, s.weight_version) for s in samples if s.weight_version != expected}
+    if stale:
+        raise EngineError(f"rollouts generated with stale weights {sorted(stale)} (expected version {expected}); "
+                          "an engine missed a sync")
+
+
+def warm_start_pairs(rows: Sequence[dict], n: int, real_answers: bool, rng: random.Random) -> list[tuple[str, str]]:
+    """(prompt, target) pairs for the supervised warm start. With real_answers=False each target is the
+    answer of another random row: the model learns the answer format, not the answers."""
+    picks = [rng.choice(rows) for _ in range(n)]
+    return [(r["prompt"], str(r["answer"] if real_answers else rng.choice(rows)["answer"])) for r in picks]
+
+
+def rollout_metrics(prompts: Sequence[Prompt], samples: Sequence[Sample], rewards: torch.Tensor,
+                    advantages: torch.Tensor, gen_seconds: float) -> dict[str, float]:
+    lens = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    tokens = float(lens.sum())
+    solved = torch.zeros(len(prompts))
+    for s, r in zip(samples, rewards.tolist()):
+        solved[s.prompt_index] = max(float(solved[s.prompt_index]), r)
+    return {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "rollout/reward_max": float(rewards.max()),
+        "rollout/best_of_group_mean": float(solved.mean()),
+        "rollout/advantage_abs_mean": float(advantages.abs().mean()),
+        "rollout/response_len_mean": float(lens.mean()),
+        "rollout/stop_frac": sum(s.finish_reason == "stop" for s in samples) / max(1, len(samples)),
+        "rollout/samples": float(len(samples)),
+        "rollout/tokens": tokens,
+        "perf/tokens_per_s": tokens / max(gen_seconds, 1e-9),
+    }
+
+
+def reward_summary(values: Sequence[float], frac: float = 0.2) -> dict[str, float]:
+    """Mean of the first and last `frac` of a reward curve, for the end-of-run report."""
+    if not values:
+        return {}
+    k = max(1, int(len(values) * frac))
+    first, last = values[:k], values[-k:]
+    return {"reward_first": sum(first) / len(first), "reward_last": sum(last) / len(last), "steps": len(values)}

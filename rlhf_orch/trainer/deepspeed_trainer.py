@@ -1,0 +1,196 @@
+"""One data-parallel rank of the policy trainer: a DeepSpeed engine over a Hugging Face causal LM.
+
+It computes token logprobs, takes clipped policy-gradient steps (with optional KL to a frozen
+reference), runs the optional supervised warm start, saves checkpoints, and yields `(hf_name,
+full_tensor)` for weight sync, gathering ZeRO-3 partitions one bucket-sized group at a time. This is
+the only module that imports DeepSpeed. It knows nothing of Ray or of the engines: the actor shell
+sets the rendezvous environment and calls these methods on every rank in lockstep.
+
+Loss scaling: every rank divides its summed token loss by the *global* number of response tokens and
+multiplies by the world size, because DeepSpeed averages gradients over ranks; the result equals the
+token-mean over the whole batch however samples are split.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from typing import Iterator
+
+import torch
+
+from rlhf_orch.algorithms import aggregate_token_loss, kl_divergence, masked_mean, policy_loss
+from rlhf_orch.errors import TrainerError
+from rlhf_orch.types import ParamSpec, TrainBatch, dtype_from_name, dtype_name
+
+logger = logging.getLogger(__name__)
+
+
+class DeepSpeedTrainer:
+    def __init__(self, model_path: str, rank: int, world_size: int, *, device: str = "cpu", zero_stage: int = 2,
+                 lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float = 1.0, bf16: bool = False,
+                 clip_eps: float = 0.2, clip_eps_high: float | None = None, kl_coef: float = 0.0,
+                 kl_estimator: str = "k3", temperature: float = 1.0, ppo_epochs: int = 1, seed: int = 0):
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        self.rank, self.world_size = rank, world_size
+        self.zero_stage = zero_stage
+        self.clip_eps, self.clip_eps_high = clip_eps, clip_eps_high
+        self.kl_coef, self.kl_estimator = kl_coef, kl_estimator
+        self.temperature, self.ppo_epochs = temperature, ppo_epochs
+        torch.manual_seed(seed)
+        backend = "nccl" if device == "cuda" else "gloo"
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        deepspeed.init_distributed(dist_backend=backend)
+        ds_config = {
+            # We hand each rank its whole shard per step, so DeepSpeed's batch arithmetic is nominal.
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": world_size,
+            "gradient_clipping": grad_clip,
+            "zero_optimization": {"stage": zero_stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay,
+                                                      "torch_adam": True}},
+            "bf16": {"enabled": bf16},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                        config=ds_config)
+        except Exception as e:
+            raise TrainerError(f"trainer rank {rank}: DeepSpeed initialisation failed: {type(e).__name__}: {e}") from e
+        self.ref_model = None
+        self.steps = 0
+
+    # ---- forward ----------------------------------------------------------------------------------
+    def _logprobs(self, module, batch: TrainBatch) -> torch.Tensor:
+        ids = batch.input_ids.to(self.device)
+        attn = batch.attention_mask.to(self.device)
+        logits = module(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
+        logp = torch.log_softmax(logits / self.temperature, dim=-1)
+        tok = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return torch.nn.functional.pad(tok, (1, 0))   # position 0 predicts nothing
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, T] logprobs of `batch` under the current policy (no grad), on CPU."""
+        self.engine.module.eval()
+        return self._logprobs(self.engine.module, batch).cpu()
+
+    def snapshot_reference(self) -> None:
+        """Freeze a copy of the current policy as the KL reference (call once, when RL starts)."""
+        if self.kl_coef <= 0:
+            return
+        if self.zero_stage == 3:
+            raise TrainerError("algorithm.kl_coef > 0 with trainer.zero_stage 3 needs a separate reference group "
+                               "(not yet built); use zero_stage <= 2 or kl_coef: 0")
+        self.ref_model = copy.deepcopy(self.engine.module).eval().requires_grad_(False)
+
+    # ---- steps ------------------------------------------------------------------------------------
+    def train_step(self, batch: TrainBatch, num_tokens_global: float) -> dict[str, float]:
+        """`ppo_epochs` optimizer steps on this rank's shard; returns flat `train/` metrics (this rank)."""
+        mask = batch.response_mask.to(self.device)
+        adv = batch.advantages.to(self.device)
+        ref = None
+        if self.kl_coef > 0:
+            with torch.no_grad():
+                ref = self._logprobs(self.ref_model, batch)
+        old = batch.old_logprobs.to(self.device) if batch.old_logprobs is not None else None
+        metrics: dict[str, float] = {}
+        self.engine.module.train()
+        for epoch in range(self.ppo_epochs):
+            lp = self._logprobs(self.engine.module, batch)
+            if old is None:
+                old = lp.detach()   # on-policy first pass: ratio is exactly 1 (saves a forward)
+            per_tok, m = policy_loss(lp, old, adv, mask, self.clip_eps, self.clip_eps_high)
+            if ref is not None:
+                kl = kl_divergence(lp, ref, self.kl_estimator)
+                per_tok = per_tok + self.kl_coef * kl * mask
+                m["kl"] = float(masked_mean(kl.detach(), mask))
+            loss = aggregate_token_loss(per_tok, mask, num_tokens_global) * self.world_size
+            self.engine.backward(loss)
+            self.engine.step()
+            m["loss"] = float(loss.detach()) / self.world_size
+            gn = self.engine.get_global_grad_norm()
+            m["grad_norm"] = float(gn) if gn is not None else float("nan")
+            metrics = m
+        eng_lp = batch.engine_logprobs.to(self.device)
+        diff = (old - eng_lp).abs() * mask
+        metrics["logprob_diff_sum"] = float(diff.sum())
+        metrics["logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
+        metrics["tokens"] = float(mask.sum())
+        self.steps += 1
+        return {f"train/{k}": v for k, v in metrics.items()}
+
+    def sft_step(self, batch: TrainBatch, num_tokens_global: float) -> dict[str, float]:
+        """One supervised step (negative log-likelihood of the response tokens)."""
+        mask = batch.response_mask.to(self.device)
+        self.engine.module.train()
+        lp = self._logprobs(self.engine.module, batch)
+        loss = aggregate_token_loss(-lp, mask, num_tokens_global) * self.world_size
+        self.engine.backward(loss)
+        self.engine.step()
+        return {"warm_start/loss": float(loss.detach()) / self.world_size}
+
+    # ---- weight sync ------------------------------------------------------------------------------
+    def _named(self):
+        return list(self.engine.module.named_parameters())
+
+    def param_specs(self, dtype: str) -> list[ParamSpec]:
+        """HF names, the sync dtype and full shapes (ZeRO-3 shapes come from ds_shape)."""
+        dtype_from_name(dtype)
+        out = []
+        for name, p in self._named():
+            shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
+            out.append(ParamSpec(name, dtype, shape))
+        return out
+
+    def iter_named_tensors(self, gather_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors in `named_parameters()` order. ZeRO-3 gathers groups of ~gather_bytes; every rank
+        must iterate to the end together (the gathers are collectives)."""
+        named = self._named()
+        if self.zero_stage != 3:
+            for name, p in named:
+                yield name, p.data
+            return
+        import deepspeed
+
+        group, size = [], 0
+        for i, (name, p) in enumerate(named):
+            group.append((name, p))
+            size += p.ds_numel * p.element_size()
+            if size >= gather_bytes or i == len(named) - 1:
+                with deepspeed.zero.GatheredParameters([q for _, q in group], modifier_rank=None):
+                    for n, q in group:
+                        yield n, q.data
+                group, size = [], 0
+
+    def device_id(self) -> str:
+        if self.device.type == "cuda":
+            return f"gpu-{torch.cuda.get_device_properties(self.device).uuid}"
+        return ""
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self, directory: str, tag: str, client_state: dict | None = None) -> str:
+        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state or {})
+        return os.path.join(directory, tag)
+
+    def export_hf(self, directory: str) -> None:
+        """Rank 0 writes an HF folder (safetensors) of the current policy; ZeRO-3 gathers first."""
+        if self.zero_stage == 3:
+            state = {n: t.detach().cpu().clone() for n, t in self.iter_named_tensors(1 << 30)}
+        else:
+            state = {n: p.detach().cpu().clone() for n, p in self._named()}
+        if self.rank == 0:
+            self.engine.module.save_pretrained(directory, state_dict=state)
+
+
+def dtype_of(t: torch.Tensor) -> str:
+    return dtype_name(t.dtype)

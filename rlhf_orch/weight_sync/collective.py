@@ -1,0 +1,89 @@
+"""A broadcast group of trainer rank 0 plus every receiving engine worker, outside the default group.
+
+The group is built directly on a `TCPStore` (hosted by the sender, rank 0) as a standalone
+`ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (CUDA), so it never touches the trainer's own
+torch.distributed world nor the engines' internal groups. One group serves every engine: each engine
+worker is one rank, so fan-out is one collective that NCCL pipelines, not one send per engine.
+
+`warmup()` runs one small broadcast right after creation on every rank: the first collective on a
+fresh communicator pays connection setup (~1.5 s for NCCL), which must not land inside a timed sync.
+This module does not decide what to send (sender.py / receiver.py do).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` right now (the store binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class BroadcastGroup:
+    """Rank 0 broadcasts to ranks 1..world_size-1. Create on every rank concurrently."""
+
+    def __init__(self, backend: str, host: str, port: int, rank: int, world_size: int,
+                 timeout_s: float = 300.0, device: torch.device | None = None, local_host: str | None = None,
+                 name: str = "rlhf_orch_sync"):
+        if world_size < 2:
+            raise ValueError("a broadcast group needs the sender and at least one receiver")
+        self.backend, self.rank, self.world_size = backend, rank, world_size
+        self.device = device or torch.device("cpu")
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
+        self._store = dist.PrefixStore(name, store)
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            iface = os.environ.get("GLOO_SOCKET_IFNAME")
+            # Bind to this process's own address (or the interface the operator chose), not the master's.
+            dev = (dist.ProcessGroupGloo.create_device(interface=iface) if iface
+                   else dist.ProcessGroupGloo.create_device(hostname=local_host or host))
+            opts._devices = [dev]
+            self.pg = dist.ProcessGroupGloo(self._store, rank, world_size, opts)
+        elif backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            torch.cuda.set_device(self.device)
+            self.pg = dist.ProcessGroupNCCL(self._store, rank, world_size, opts)
+        else:
+            raise ValueError(f"unknown backend {backend!r}; use gloo or nccl")
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        work = self.pg.broadcast([tensor], opts)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def warmup(self) -> float:
+        """One small collective on both sides; returns the value seen (rank 0 sends 1.0)."""
+        t = torch.full((8,), 1.0 if self.rank == 0 else 0.0, device=self.device)
+        self.broadcast(t)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if float(t[0]) != 1.0:
+            raise RuntimeError("broadcast warm-up returned the wrong value")
+        return float(t[0])
+
+    def destroy(self) -> None:
+        # Dropping the references closes the communicator; abort() exists only on some backends.
+        abort = getattr(self.pg, "abort", None)
+        if callable(abort) and self.backend == "nccl":
+            try:
+                abort()
+            except Exception:  # already torn down by a failed peer
+                logger.debug("nccl abort failed", exc_info=True)
+        self.pg = None

@@ -1,0 +1,88 @@
+"""Zero-copy handles to a bucket buffer for a process on the same device (the `ipc` transport).
+
+On CPU a buffer lives in shared memory (torch's `file_system` sharing strategy) and its handle is the
+few hundred bytes `ForkingPickler` produces; the receiver maps the same pages. This is the CPU twin
+of CUDA IPC and exercises the same protocol in CI. On CUDA the handle is torch's CUDA IPC handle of
+the buffer's storage, re-pointed at the receiver's index of the same physical GPU (the two processes
+may see it under different indices when CUDA_VISIBLE_DEVICES differs).
+
+Handles are opened once per buffer and cached by buffer id, because a sync reuses the same two
+buffers every time (opening a CUDA IPC handle costs ~1 ms). This module does not decide when a
+buffer may be reused: the sender waits for the receiver's acknowledgement (see sender.py).
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as tmp
+from multiprocessing.reduction import ForkingPickler
+
+
+@dataclass(frozen=True)
+class IpcHandle:
+    buffer_id: str
+    device: str       # "cpu" or "cuda"
+    payload: bytes    # pickled handle; opened by `open_handle`
+    device_uuid: str = ""
+
+
+def allocate_shared(nbytes: int, device: torch.device) -> tuple[str, torch.Tensor]:
+    """A uint8 buffer another process on `device` can map; returns (buffer_id, tensor)."""
+    if device.type == "cpu":
+        tmp.set_sharing_strategy("file_system")   # a named file in /dev/shm, not an fd to pass around
+        buf = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    else:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return uuid.uuid4().hex, buf
+
+
+def export_handle(buffer_id: str, buf: torch.Tensor) -> IpcHandle:
+    if buf.device.type == "cpu":
+        tmp.set_sharing_strategy("file_system")
+        out = io.BytesIO()
+        ForkingPickler(out, pickle.HIGHEST_PROTOCOL).dump(buf)
+        return IpcHandle(buffer_id, "cpu", out.getvalue())
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    rebuild, args = reduce_tensor(buf)
+    dev_uuid = str(torch.cuda.get_device_properties(buf.device).uuid)
+    return IpcHandle(buffer_id, "cuda", pickle.dumps((rebuild, args)), dev_uuid)
+
+
+def _local_cuda_index(dev_uuid: str) -> int:
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == dev_uuid:
+            return i
+    raise RuntimeError(f"GPU {dev_uuid} is not visible in this process (CUDA_VISIBLE_DEVICES); "
+                       "an ipc engine must see the trainer's GPU")
+
+
+class HandleCache:
+    """Opens handles once per buffer id and keeps the mapped tensors alive."""
+
+    def __init__(self):
+        self._open: dict[str, torch.Tensor] = {}
+
+    def open(self, handle: IpcHandle) -> torch.Tensor:
+        t = self._open.get(handle.buffer_id)
+        if t is None:
+            t = open_handle(handle)
+            self._open[handle.buffer_id] = t
+        return t
+
+    def clear(self) -> None:
+        self._open.clear()
+
+
+def open_handle(handle: IpcHandle) -> torch.Tensor:
+    if handle.device == "cpu":
+        tmp.set_sharing_strategy("file_system")
+        return pickle.loads(handle.payload)
+    rebuild, args = pickle.loads(handle.payload)
+    args = list(args)
+    args[6] = _local_cuda_index(handle.device_uuid)   # reduce_tensor's arg 6 is the device index
+    return rebuild(*args)

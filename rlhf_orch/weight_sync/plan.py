@@ -1,0 +1,64 @@
+"""Choose, once per run, how each engine receives weights, from where the processes actually sit.
+
+Every trainer rank and every engine worker reports a device id: a GPU's UUID on CUDA, or on CPU the
+placement slot it was given ("<node>/cpu-slot<k>", the stand-in for a device). An engine whose
+workers all sit on devices of trainer ranks gets `ipc` from the rank on its device; any other engine
+gets `broadcast` through the one group of trainer rank 0 plus all broadcast-engine workers.
+`transport` in the config may force one (with checks). This module is pure: no processes, no I/O.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlhf_orch.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EngineRoute:
+    engine: str
+    transport: str                 # "ipc" or "broadcast"
+    sender_rank: int               # trainer rank that sends to this engine
+    group_ranks: tuple[int, ...] = ()   # broadcast: this engine's workers' ranks in the group
+
+
+@dataclass
+class SyncPlan:
+    routes: dict[str, EngineRoute]
+    group_world_size: int = 0      # 0 when no engine uses broadcast
+    ipc_targets: dict[int, list[str]] = field(default_factory=dict)   # trainer rank -> engines it feeds
+
+    @property
+    def broadcast_engines(self) -> list[str]:
+        return [r.engine for r in self.routes.values() if r.transport == "broadcast"]
+
+    def summary(self) -> dict[str, str]:
+        return {name: f"{r.transport} from trainer rank {r.sender_rank}" for name, r in self.routes.items()}
+
+
+def make_plan(trainer_devices: list[str], engine_devices: dict[str, list[str]], transport: str = "auto") -> SyncPlan:
+    """`trainer_devices[r]` is rank r's device id; `engine_devices[name]` lists that engine's workers' ids."""
+    if transport not in ("auto", "ipc", "broadcast"):
+        raise ConfigError(f"weight_sync.transport: unknown value {transport!r}; use auto, ipc or broadcast")
+    where = {dev: rank for rank, dev in enumerate(trainer_devices)}
+    routes: dict[str, EngineRoute] = {}
+    ipc_targets: dict[int, list[str]] = {}
+    next_rank = 1
+    problems = []
+    for name, devs in engine_devices.items():
+        colocated = len(devs) == 1 and devs[0] in where
+        if transport == "ipc" and not colocated:
+            problems.append(f"weight_sync.transport: ipc forced, but engine {name!r} does not share a trainer "
+                            "device; use auto or broadcast")
+            continue
+        if colocated and transport != "broadcast":
+            rank = where[devs[0]]
+            routes[name] = EngineRoute(name, "ipc", rank)
+            ipc_targets.setdefault(rank, []).append(name)
+        else:
+            ranks = tuple(range(next_rank, next_rank + len(devs)))
+            next_rank += len(devs)
+            routes[name] = EngineRoute(name, "broadcast", 0, ranks)
+    if problems:
+        raise ConfigError(problems)
+    world = next_rank if next_rank > 1 else 0
+    return SyncPlan(routes, world, ipc_targets)
