@@ -108,8 +108,9 @@ class WeightSender:
                 pending[slot].append(("bcast", None, work))
             for engine in self.ipc_engines:
                 pending[slot].append(("ipc", engine, deliver(engine, self._handles[slot], layout.index, version)))
-        drain(0)
-        drain(1)
+        n = len(self.layouts)     # oldest in-flight bucket first, so acks stay in layout order
+        drain(n % 2)
+        drain((n + 1) % 2)
         if next(it, None) is not None:
             raise WeightSyncError("trainer yielded more tensors than the layout expects; re-plan the sync")
         self._sync_device()

@@ -1,0 +1,29 @@
+"""Shared fixtures: loopback-only Ray and gloo, and a tiny model directory built once per session."""
+import os
+
+import pytest
+
+# Keep every socket a test opens on 127.0.0.1 (Ray binds routable addresses otherwise; see CPU-NOTES).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from rlhf_orch.models import TinyModelSpec, ensure_model_dir
+    return str(ensure_model_dir("tiny-llama", TinyModelSpec(), tmp_path_factory.mktemp("models"), seed=0))
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the lent device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

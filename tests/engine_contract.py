@@ -1,0 +1,75 @@
+"""The checks every rollout engine must pass, written once and run per kind.
+
+`run_contract(engine, model_dir, other_model_dir)` is called by tests/unit/test_engine_hf.py (CPU, CI)
+and by the GPU-marked tests of the vllm and sglang engines. `other_model_dir` holds the same
+architecture with different weights: loading them must change what the engine computes (a load
+that only updates a copy the kernels never read is the classic silent failure).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_orch.engines.base import SamplingParams
+from rlhf_orch.errors import EngineError
+from rlhf_orch.weight_sync.buckets import checksums
+
+
+def reference_logprobs(model_dir: str, prompt: list[int], response: list[int], temperature: float) -> list[float]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].float() / temperature
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return lp[len(prompt) - 1:].tolist()
+
+
+def named_weights(model_dir: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return [(n, p.detach().clone()) for n, p in model.named_parameters()]
+
+
+def run_contract(engine, model_dir: str, other_model_dir: str, tokenizer, atol: float = 1e-4, dtype=torch.float32):
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in ("1+2=", "3+4=", "10+1=")]
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4, n=3)
+
+    # 1. shape of the output: n samples per prompt, grouped, stamped with the version
+    samples = engine.generate(prompts, params)
+    assert len(samples) == 9
+    assert [s.prompt_index for s in samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for s in samples:
+        assert s.prompt_ids == prompts[s.prompt_index]
+        assert 1 <= len(s.response_ids) <= 4 and len(s.logprobs) == len(s.response_ids)
+        assert all(lp <= 0.0 for lp in s.logprobs)
+        assert s.finish_reason in ("stop", "length")
+        if s.finish_reason == "stop":
+            assert s.response_ids[-1] == tokenizer.eos_token_id
+        assert s.weight_version == engine.weight_version
+
+    # 2. logprobs are the policy's: they match an independent forward of the same weights
+    s = samples[0]
+    ref = reference_logprobs(model_dir, s.prompt_ids, s.response_ids, params.temperature)
+    assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(ref), atol=atol), (s.logprobs, ref)
+
+    # 3. a paused engine refuses to generate; resume restores it
+    engine.pause()
+    with pytest.raises(EngineError, match="paused"):
+        engine.generate(prompts, params)
+    engine.resume()
+
+    # 4. loading other weights changes what the engine computes, and checksums report the new weights
+    new = named_weights(other_model_dir, dtype)
+    engine.pause()
+    engine.load_weights(new)
+    assert engine.checksums([n for n, _ in new]) == checksums(t for _, t in new)
+    engine.finish_sync(7)
+    engine.resume()
+    assert engine.weight_version == 7
+    after = engine.generate(prompts[:1], SamplingParams(temperature=1.0, max_new_tokens=4, n=1))[0]
+    assert after.weight_version == 7
+    ref_new = reference_logprobs(other_model_dir, after.prompt_ids, after.response_ids, 1.0)
+    assert torch.allclose(torch.tensor(after.logprobs), torch.tensor(ref_new), atol=atol)
+    ref_old = reference_logprobs(model_dir, after.prompt_ids, after.response_ids, 1.0)
+    assert not torch.allclose(torch.tensor(ref_new), torch.tensor(ref_old), atol=atol), "models must differ"

@@ -1,0 +1,41 @@
+"""The engine contract against the built-in hf engine (CPU)."""
+import pytest
+import torch
+
+from engine_contract import run_contract
+from rlhf_orch.engines import engine_class
+from rlhf_orch.errors import ConfigError
+from rlhf_orch.models import TinyModelSpec, build_tokenizer, ensure_model_dir
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory):
+    return str(ensure_model_dir("tiny-llama", TinyModelSpec(), tmp_path_factory.mktemp("other"), seed=1))
+
+
+def test_hf_engine_contract(tiny_model_dir, other_model_dir):
+    torch.set_num_threads(1)
+    engine = engine_class("hf")(name="e", model_path=tiny_model_dir, device="cpu", device_id="slot0", seed=0)
+    assert engine.device_ids() == ["slot0"]
+    run_contract(engine, tiny_model_dir, other_model_dir, build_tokenizer())
+
+
+def test_top_p_keeps_most_likely_token(tiny_model_dir):
+    from rlhf_orch.engines.base import SamplingParams
+    engine = engine_class("hf")(name="e", model_path=tiny_model_dir, seed=0)
+    tok = build_tokenizer()
+    p = tok("1+2=", add_special_tokens=False).input_ids
+    greedy = engine.generate([p], SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=3, n=4))
+    assert len({tuple(s.response_ids) for s in greedy}) == 1   # top_p -> 0 is greedy
+
+
+def test_unknown_kind_and_lazy_registry():
+    import subprocess
+    import sys
+    with pytest.raises(ConfigError, match="unknown engine kind 'x'"):
+        engine_class("x")
+    # A fresh interpreter: importing the library must not pull in any engine or DeepSpeed.
+    code = ("import sys, rlhf_orch.config, rlhf_orch.engines, rlhf_orch.weight_sync, rlhf_orch.trainer, rlhf_orch.metrics;"
+            "bad = [m for m in ('vllm', 'sglang', 'deepspeed', 'ray') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
