@@ -32,6 +32,10 @@ def init_ray(cfg) -> bool:
     if address:
         ray.init(address=address, log_to_driver=True)
         return False
+    # A Ray this driver starts is single-node: keep it and the gloo groups on loopback (Ray otherwise
+    # binds the machine's routable address). Joining a cluster (above) leaves the environment alone.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # Workers of a local Ray must import this checkout even when it is not pip-installed.
     root = str(Path(__file__).resolve().parent.parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))

@@ -19,7 +19,7 @@ import ray
 from actors.common import get, setup_process
 from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.weight_sync import digest, make_plan, plan_buckets
-from rlhf_orch.weight_sync.collective import free_port
+from rlhf_orch.weight_sync.verify import mismatches
 
 logger = logging.getLogger(__name__)
 
@@ -83,20 +83,11 @@ class WeightSyncCoordinator:
         sent = self._get(send_refs, f"trainer ranks to send weights v{version}")
         received = dict(zip(bcast, self._get(recv_refs, f"engines to receive weights v{version}")))
         t_transfer = time.perf_counter()
-        mismatches = []
-        if self.verify:
-            for name, route in self.plan.routes.items():
-                want = sent[route.sender_rank].checksums
-                got = (received[name][0] if route.transport == "broadcast"
-                       else sent[route.sender_rank].engine_checksums[name])
-                if got != want:
-                    bad = [s.name for b in self.layouts for s in b.slots]
-                    bad = [n for n, g, w in zip(bad, got, want) if g != w][:5]
-                    mismatches.append(f"{name} ({route.transport}): {len(got)} checksums vs {len(want)} expected; "
-                                      f"first differing tensors: {bad}")
-        if mismatches:
+        bad = mismatches(self.plan, self.layouts, [r.checksums for r in sent],
+                         [r.engine_checksums for r in sent], {n: r[0] for n, r in received.items()}) if self.verify else []
+        if bad:
             raise WeightSyncError(f"weight sync v{version} failed verification; engines hold weights that differ from "
-                                  "the trainer's: " + "; ".join(mismatches))
+                                  "the trainer's: " + "; ".join(bad))
         t_verify = time.perf_counter()
         self._get([self.engines[n].finish_sync.remote(version) for n in names], "engines to record the version")
         self._get([self.engines[n].resume.remote() for n in names], "engines to resume")

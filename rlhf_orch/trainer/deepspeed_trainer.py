@@ -12,7 +12,6 @@ token-mean over the whole batch however samples are split.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from typing import Iterator
@@ -21,7 +20,7 @@ import torch
 
 from rlhf_orch.algorithms import aggregate_token_loss, kl_divergence, masked_mean, policy_loss
 from rlhf_orch.errors import TrainerError
-from rlhf_orch.types import ParamSpec, TrainBatch, dtype_from_name, dtype_name
+from rlhf_orch.types import ParamSpec, TrainBatch, dtype_from_name
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +45,14 @@ class DeepSpeedTrainer:
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
+        # Our own store (bound to MASTER_ADDR only, see rlhf_orch/distributed.py); DeepSpeed then
+        # finds the process group initialised and adopts it.
+        from datetime import timedelta
+        import torch.distributed as dist
+        from rlhf_orch.distributed import tcp_store
+        store = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, rank == 0,
+                          timedelta(minutes=10))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         deepspeed.init_distributed(dist_backend=backend)
         ds_config = {
             # We hand each rank its whole shard per step, so DeepSpeed's batch arithmetic is nominal.
@@ -85,13 +92,19 @@ class DeepSpeedTrainer:
         return self._logprobs(self.engine.module, batch).cpu()
 
     def snapshot_reference(self) -> None:
-        """Freeze a copy of the current policy as the KL reference (call once, when RL starts)."""
+        """Freeze a copy of the current policy as the KL reference (call once, when RL starts, on every
+        rank together). Built from the gathered weights, so it works for every ZeRO stage; it is a full
+        copy per rank, fine for models that fit one device (a separate reference group is the plan for
+        larger ones)."""
         if self.kl_coef <= 0:
             return
-        if self.zero_stage == 3:
-            raise TrainerError("algorithm.kl_coef > 0 with trainer.zero_stage 3 needs a separate reference group "
-                               "(not yet built); use zero_stage <= 2 or kl_coef: 0")
-        self.ref_model = copy.deepcopy(self.engine.module).eval().requires_grad_(False)
+        from transformers import AutoModelForCausalLM
+        ref = AutoModelForCausalLM.from_config(self.engine.module.config, dtype=torch.float32)
+        params = dict(ref.named_parameters())
+        with torch.no_grad():
+            for name, t in self.iter_named_tensors(256 << 20):
+                params[name].copy_(t)
+        self.ref_model = ref.to(self.device).eval().requires_grad_(False)
 
     # ---- steps ------------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, num_tokens_global: float) -> dict[str, float]:
@@ -191,6 +204,3 @@ class DeepSpeedTrainer:
         if self.rank == 0:
             self.engine.module.save_pretrained(directory, state_dict=state)
 
-
-def dtype_of(t: torch.Tensor) -> str:
-    return dtype_name(t.dtype)

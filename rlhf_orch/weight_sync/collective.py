@@ -13,20 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from rlhf_orch.distributed import free_port, tcp_store  # noqa: F401  (free_port re-exported)
+
 logger = logging.getLogger(__name__)
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on `host` right now (the store binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class BroadcastGroup:
@@ -37,10 +31,12 @@ class BroadcastGroup:
                  name: str = "rlhf_orch_sync"):
         if world_size < 2:
             raise ValueError("a broadcast group needs the sender and at least one receiver")
+        if backend not in ("gloo", "nccl"):   # checked before the store, which would block for peers
+            raise ValueError(f"unknown backend {backend!r}; use gloo or nccl")
         self.backend, self.rank, self.world_size = backend, rank, world_size
         self.device = device or torch.device("cpu")
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
+        store = tcp_store(host, port, world_size, rank == 0, timeout)
         self._store = dist.PrefixStore(name, store)
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
@@ -56,8 +52,6 @@ class BroadcastGroup:
             opts._timeout = timeout
             torch.cuda.set_device(self.device)
             self.pg = dist.ProcessGroupNCCL(self._store, rank, world_size, opts)
-        else:
-            raise ValueError(f"unknown backend {backend!r}; use gloo or nccl")
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         opts = dist.BroadcastOptions()

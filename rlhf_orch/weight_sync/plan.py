@@ -1,8 +1,9 @@
 """Choose, once per run, how each engine receives weights, from where the processes actually sit.
 
 Every trainer rank and every engine worker reports a device id: a GPU's UUID on CUDA, or on CPU the
-placement slot it was given ("<node>/cpu-slot<k>", the stand-in for a device). An engine whose
-workers all sit on devices of trainer ranks gets `ipc` from the rank on its device; any other engine
+placement slot it was given ("<node>/cpu-slot<k>", the stand-in for a device). A single-worker engine
+that sits on a trainer rank's device gets `ipc` from that rank (a tensor-parallel engine spans devices
+that no one rank holds, so it is fed by broadcast); any other engine
 gets `broadcast` through the one group of trainer rank 0 plus all broadcast-engine workers.
 `transport` in the config may force one (with checks). This module is pure: no processes, no I/O.
 """

@@ -1,0 +1,34 @@
+"""Rendezvous helpers: a TCPStore that listens only on the address it is given, and free ports.
+
+torch's TCPStore server binds every interface whatever host it is told. We bind the listening
+socket ourselves to the chosen address (loopback on a local run, the node's IP on a cluster) and
+hand it over with `master_listen_fd`, so a run exposes no port beyond the address it actually uses.
+"""
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+_LISTENING: list[socket.socket] = []
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` right now (the store binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: timedelta) -> dist.TCPStore:
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                          master_listen_fd=sock.fileno())
+    _LISTENING.append(sock)   # the store serves on this socket: it must stay open (stores live per process)
+    return store
