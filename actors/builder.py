@@ -129,6 +129,18 @@ class Cluster:
         (ckpt / "latest").write_text(f"step{step}\n")
         (ckpt / f"step{step}" / "rl_state.json").write_text(json.dumps(state))
 
+    def _shutdown_actors(self) -> None:
+        """Engines leave the broadcast group, then trainers leave theirs together, then all are killed."""
+        for what, actors in (("engines", list(getattr(self, "engines", {}).values())),
+                             ("trainers", list(getattr(getattr(self, "trainers", None), "actors", [])))):
+            try:
+                ray.get([a.shutdown.remote() for a in actors], timeout=30)
+            except Exception as e:   # a dead actor cannot shut down cleanly; killing it below is enough
+                logger.warning("clean shutdown of %s failed: %s", what, e)
+        for a in [*getattr(self, "engines", {}).values(), *getattr(getattr(self, "trainers", None), "actors", []),
+                  *getattr(self, "rewarders", []), *([self.coordinator] if hasattr(self, "coordinator") else [])]:
+            ray.kill(a)
+
     def close(self, records: list[dict], data_state: dict) -> None:
         """Always runs: final checkpoint if the trainers are alive, plots, sinks closed, Ray shut down."""
         try:
@@ -136,6 +148,7 @@ class Cluster:
                 self.checkpoint(len(records), data_state)
         except Exception as e:  # a dead trainer must not hide the metrics already written
             logger.warning("final checkpoint failed: %s", e)
+        self._shutdown_actors()
         if self.sinks is not None:
             self.sinks.close()
         if self.cfg.metrics.plots and records:

@@ -88,6 +88,15 @@ class TrainerActor:
 
         return self.sender.send(self.trainer.iter_named_tensors(gather_bytes), version, deliver, wait)
 
+    def shutdown(self) -> None:
+        """Leave the process groups in order, so no rank dies on a store whose host already exited."""
+        import torch.distributed as dist
+        if self.sender is not None and self.sender.group is not None:
+            self.sender.group.destroy()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
 
 class TrainerGroup:
     """Driver-side handle on all trainer ranks (not an actor)."""

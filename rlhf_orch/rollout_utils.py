@@ -57,7 +57,7 @@ def rollout_metrics(prompts: Sequence[Prompt], samples: Sequence[Sample], reward
         "rollout/stop_frac": sum(s.finish_reason == "stop" for s in samples) / max(1, len(samples)),
         "rollout/samples": float(len(samples)),
         "rollout/tokens": tokens,
-        "perf/tokens_per_s": tokens / max(gen_seconds, 1e-9),
+        "perf/tokens_per_sec": tokens / max(gen_seconds, 1e-9),
     }
 
 

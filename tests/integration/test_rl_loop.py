@@ -38,3 +38,17 @@ def test_two_rl_steps_both_transports(tmp_path, zero_stage):
     assert list((run / "tb").glob("events.out.tfevents.*"))
     assert (run / "checkpoints" / "latest").read_text().strip() == "step2"
     assert json.loads((run / "checkpoints" / "step2" / "rl_state.json").read_text())["step"] == 2
+
+
+def test_failure_leaves_metrics_checkpoint_and_plots(tmp_path, capsys):
+    rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "experiment.steps=5", "experiment.name=fail",
+                      f"experiment.output_dir={tmp_path}", "trainer.warm_start_steps=0", "ray.num_cpus=2",
+                      "reward.function=tests.failing_rewards:fails_on_second_step"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "error: RewardError: reward.function tests.failing_rewards:fails_on_second_step raised KeyError" in err
+    run = tmp_path / "fail"
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step1"
+    assert (run / "plots" / "reward.png").exists()
