@@ -68,7 +68,7 @@ class WeightSyncCoordinator:
         return {"plan": self.plan.summary(), "buckets": len(self.layouts), "tensors": len(specs),
                 "bytes": nbytes, "setup_s": time.perf_counter() - t0}
 
-    def sync(self, version: int, gather_bytes: int | None = None) -> dict:
+    def sync(self, version: int) -> dict:
         """One full sync to `version`; returns flat `sync/` metrics. Raises WeightSyncError on mismatch."""
         if version <= self.version:
             raise WeightSyncError(f"sync version {version} is not newer than {self.version}")
@@ -76,8 +76,7 @@ class WeightSyncCoordinator:
         names = list(self.engines)
         self._get([self.engines[n].pause.remote() for n in names], "engines to pause")
         t_pause = time.perf_counter()
-        gather = gather_bytes or self.bucket_bytes
-        send_refs = [t.send_weights.remote(version, gather) for t in self.trainers]
+        send_refs = [t.send_weights.remote(version) for t in self.trainers]
         bcast = self.plan.broadcast_engines
         recv_refs = [self.engines[n].receive_broadcast.remote(version) for n in bcast]
         sent = self._get(send_refs, f"trainer ranks to send weights v{version}")

@@ -42,6 +42,10 @@ class RolloutActor:
     def setup_receiver(self, layouts, group: dict | None, rank: int, verify: bool, timeout_s: float) -> float:
         import torch
         self.verify = verify
+        if hasattr(self.engine, "setup_receiver"):
+            # Engines with their own worker processes (vLLM) run a receiver in every worker.
+            self.receiver = self.engine
+            return self.engine.setup_receiver(layouts, group, rank, verify, timeout_s)
         device = getattr(self.engine, "device", torch.device("cpu"))
         self.receiver = WeightReceiver(layouts, device, self.engine.load_weights, self.engine.checksums)
         if group is None:
@@ -65,8 +69,9 @@ class RolloutActor:
         self.engine.finish_sync(version)
 
     def shutdown(self) -> None:
-        if self.receiver is not None:
-            self.receiver.close()
+        close = getattr(self.receiver, "close", None)
+        if callable(close):
+            close()
 
 
 def sampling_params(cfg_sampling, n: int) -> SamplingParams:

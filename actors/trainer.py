@@ -79,14 +79,15 @@ class TrainerActor:
         self.sender = WeightSender(layouts, self.trainer.device, list(ipc_engines), bgroup, verify)
         return 1.0
 
-    def send_weights(self, version: int, gather_bytes: int):
+    def send_weights(self, version: int):
         def deliver(engine, handle, index, v):
             return self.engines[engine].receive_ipc.remote(handle, index, v)
 
         def wait(ref):
             return get(ref, self.timeout_s, "an engine loading an ipc bucket", TrainerError)
 
-        return self.sender.send(self.trainer.iter_named_tensors(gather_bytes), version, deliver, wait)
+        groups = [layout.names for layout in self.sender.layouts]   # ZeRO-3 gathers one bucket at a time
+        return self.sender.send(self.trainer.iter_named_tensors(groups), version, deliver, wait)
 
     def shutdown(self) -> None:
         """Leave the process groups in order, so no rank dies on a store whose host already exited."""

@@ -29,7 +29,7 @@ class HFEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.name = name
-        self.device = torch.device(device)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
         self.max_batch_size = max_batch_size
         self.weight_version = -1        # nothing synced yet: the first sync makes it 0
         self._device_id = device_id
@@ -47,6 +47,8 @@ class HFEngine:
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
 
     def device_ids(self) -> list[str]:
+        if self.device.type == "cuda":   # the physical GPU, whatever index this process sees it under
+            return [f"gpu-{torch.cuda.get_device_properties(self.device).uuid}"]
         return [self._device_id]
 
     # ---- generation -------------------------------------------------------------------------------
@@ -119,11 +121,11 @@ class HFEngine:
     # ---- weights ----------------------------------------------------------------------------------
     @torch.no_grad()
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        for name, t in named:
-            p = self.params.get(name)
-            if p is None:
-                raise EngineError(f"engine {self.name}: no parameter named {name!r} in the model")
-            p.copy_(t, non_blocking=True)
+        missing = [n for n, _ in named if n not in self.params]
+        if missing:
+            raise EngineError(f"engine {self.name}: no parameter named {missing[0]!r} in the model")
+        # One multi-tensor copy per bucket instead of a launch per parameter.
+        torch._foreach_copy_([self.params[n] for n, _ in named], [t for _, t in named], non_blocking=True)
 
     def checksums(self, names: list[str]) -> list[int]:
         return checksums(self.params[n] for n in names)

@@ -102,7 +102,7 @@ class DeepSpeedTrainer:
         ref = AutoModelForCausalLM.from_config(self.engine.module.config, dtype=torch.float32)
         params = dict(ref.named_parameters())
         with torch.no_grad():
-            for name, t in self.iter_named_tensors(256 << 20):
+            for name, t in self.iter_named_tensors(self._gather_groups(256 << 20)):
                 params[name].copy_(t)
         self.ref_model = ref.to(self.device).eval().requires_grad_(False)
 
@@ -165,9 +165,10 @@ class DeepSpeedTrainer:
             out.append(ParamSpec(name, dtype, shape))
         return out
 
-    def iter_named_tensors(self, gather_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors in `named_parameters()` order. ZeRO-3 gathers groups of ~gather_bytes; every rank
-        must iterate to the end together (the gathers are collectives)."""
+    def iter_named_tensors(self, groups: list[list[str]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors in `named_parameters()` order. Under ZeRO-3 each of `groups` (consecutive names;
+        the sync passes its bucket layout) is gathered together and stays valid until the first tensor of
+        the next group is requested. Every rank must iterate to the end together: gathers are collectives."""
         named = self._named()
         if self.zero_stage != 3:
             for name, p in named:
@@ -175,15 +176,27 @@ class DeepSpeedTrainer:
             return
         import deepspeed
 
-        group, size = [], 0
-        for i, (name, p) in enumerate(named):
-            group.append((name, p))
-            size += p.ds_numel * p.element_size()
-            if size >= gather_bytes or i == len(named) - 1:
-                with deepspeed.zero.GatheredParameters([q for _, q in group], modifier_rank=None):
-                    for n, q in group:
-                        yield n, q.data
-                group, size = [], 0
+        if groups is None:
+            groups = [[n for n, _ in named]]
+        params = dict(named)
+        for group in groups:
+            ps = [params[n] for n in group]
+            with deepspeed.zero.GatheredParameters(ps, modifier_rank=None):
+                for n, p in zip(group, ps):
+                    yield n, p.data
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()   # copies done before the partitions are freed
+
+    def _gather_groups(self, nbytes: int) -> list[list[str]]:
+        """Consecutive names in groups of about `nbytes` (for gathers outside a sync)."""
+        groups, size = [[]], 0
+        for name, p in self._named():
+            if groups[-1] and size >= nbytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(name)
+            size += getattr(p, "ds_numel", p.numel()) * p.element_size()
+        return groups
 
     def device_id(self) -> str:
         if self.device.type == "cuda":
@@ -198,7 +211,7 @@ class DeepSpeedTrainer:
     def export_hf(self, directory: str) -> None:
         """Rank 0 writes an HF folder (safetensors) of the current policy; ZeRO-3 gathers first."""
         if self.zero_stage == 3:
-            state = {n: t.detach().cpu().clone() for n, t in self.iter_named_tensors(1 << 30)}
+            state = {n: t.detach().cpu().clone() for n, t in self.iter_named_tensors(self._gather_groups(1 << 30))}
         else:
             state = {n: p.detach().cpu().clone() for n, p in self._named()}
         if self.rank == 0:

@@ -39,11 +39,17 @@ class WeightReceiver:
                    timeout_s: float, local_host: str | None = None) -> float:
         """Create this worker's end of the broadcast group and warm it up; returns seconds taken."""
         t0 = time.perf_counter()
-        self.group = BroadcastGroup(backend, host, port, rank, world_size, timeout_s, self.device, local_host)
-        self.group.warmup()
-        n = max_bucket_bytes(self.layouts)
-        self._bufs = [torch.empty(n, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        group = BroadcastGroup(backend, host, port, rank, world_size, timeout_s, self.device, local_host)
+        group.warmup()
+        self.attach_group(group)
         return time.perf_counter() - t0
+
+    def attach_group(self, group: BroadcastGroup) -> None:
+        """Receive through an existing (warmed-up) group; allocates the two receive buffers."""
+        self.group = group
+        n = max_bucket_bytes(self.layouts)
+        # Zeroed once: alignment padding is never written, so it stays identical on every rank.
+        self._bufs = [torch.zeros(n, dtype=torch.uint8, device=self.device) for _ in range(2)]
 
     def _load(self, layout: BucketLayout, buf: torch.Tensor, verify: bool) -> list[int]:
         self.load_fn(list(unpack(layout, buf)))

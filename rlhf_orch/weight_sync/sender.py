@@ -1,5 +1,9 @@
 """Trainer side of a sync: pack named tensors into double-buffered buckets and send each one.
 
+The named-tensor iterator must keep each bucket's tensors valid until the first tensor of the next
+bucket is requested (`DeepSpeedTrainer.iter_named_tensors(groups)` gathers ZeRO-3 partitions bucket
+by bucket for exactly this reason).
+
 One `WeightSender` lives in every trainer rank. Per bucket k it packs into buffer k % 2, then
 (rank 0, if any engine uses broadcast) starts an asynchronous broadcast of the bucket and (any rank
 that shares its device with engines) hands each such engine an IPC handle of the buffer. Before a
@@ -50,6 +54,8 @@ class WeightSender:
         if self.active:
             n = max_bucket_bytes(self.layouts)
             self._bufs = [allocate_shared(n, device) for _ in range(2)]
+            for _, b in self._bufs:
+                b.zero_()   # alignment padding is never written: keep it identical on both sides
             self._handles = [export_handle(bid, b) if self.ipc_engines else None for bid, b in self._bufs]
 
     def _sync_device(self):
@@ -84,8 +90,10 @@ class WeightSender:
             drain(slot)
             buf = self._bufs[slot][1]
             t0 = time.perf_counter()
-            # Copy each tensor as soon as it is yielded: under ZeRO-3 a gathered tensor is only
-            # valid until the iterator moves on to the next gather group.
+            # Pull the bucket's tensors, then copy them with one multi-tensor kernel. The trainer
+            # iterator keeps a bucket's tensors valid until the next bucket is pulled (ZeRO-3 gathers
+            # exactly one bucket at a time), so batching is safe and saves a launch per tensor.
+            dsts, srcs = [], []
             for s in layout.slots:
                 try:
                     name, t = next(it)
@@ -96,9 +104,12 @@ class WeightSender:
                                           "parameter order changed since the plan was made")
                 if tuple(t.shape) != s.shape:
                     raise WeightSyncError(f"{name}: shape {tuple(t.shape)} does not match the layout's {s.shape}")
-                slot_view(buf, s).copy_(t, non_blocking=True)
+                dsts.append(slot_view(buf, s))
+                srcs.append(t)
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            del srcs
             if self.verify:
-                res.checksums.extend(checksums(slot_view(buf, s) for s in layout.slots))
+                res.checksums.extend(checksums(dsts))
             else:
                 self._sync_device()
             res.pack_s += time.perf_counter() - t0
