@@ -9,16 +9,20 @@ from __future__ import annotations
 from rlhf_orch.types import ParamSpec
 
 
+def _attention(p, hidden, heads, kv_heads, hd, dtype) -> list[ParamSpec]:
+    return [ParamSpec(p + "self_attn.q_proj.weight", dtype, (heads * hd, hidden)),
+            ParamSpec(p + "self_attn.k_proj.weight", dtype, (kv_heads * hd, hidden)),
+            ParamSpec(p + "self_attn.v_proj.weight", dtype, (kv_heads * hd, hidden)),
+            ParamSpec(p + "self_attn.o_proj.weight", dtype, (hidden, heads * hd))]
+
+
 def llama(vocab, hidden, inter, layers, heads, kv_heads, tied, dtype="bfloat16", head_dim=None) -> list[ParamSpec]:
     hd = head_dim or hidden // heads
     out = [ParamSpec("model.embed_tokens.weight", dtype, (vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}."
-        out += [ParamSpec(p + "self_attn.q_proj.weight", dtype, (heads * hd, hidden)),
-                ParamSpec(p + "self_attn.k_proj.weight", dtype, (kv_heads * hd, hidden)),
-                ParamSpec(p + "self_attn.v_proj.weight", dtype, (kv_heads * hd, hidden)),
-                ParamSpec(p + "self_attn.o_proj.weight", dtype, (hidden, heads * hd)),
-                ParamSpec(p + "mlp.gate_proj.weight", dtype, (inter, hidden)),
+        out += _attention(p, hidden, heads, kv_heads, hd, dtype)
+        out += [ParamSpec(p + "mlp.gate_proj.weight", dtype, (inter, hidden)),
                 ParamSpec(p + "mlp.up_proj.weight", dtype, (inter, hidden)),
                 ParamSpec(p + "mlp.down_proj.weight", dtype, (hidden, inter)),
                 ParamSpec(p + "input_layernorm.weight", dtype, (hidden,)),
@@ -34,11 +38,8 @@ def qwen3_moe(vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, head_d
     out = [ParamSpec("model.embed_tokens.weight", dtype, (vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}."
-        out += [ParamSpec(p + "self_attn.q_proj.weight", dtype, (heads * head_dim, hidden)),
-                ParamSpec(p + "self_attn.k_proj.weight", dtype, (kv_heads * head_dim, hidden)),
-                ParamSpec(p + "self_attn.v_proj.weight", dtype, (kv_heads * head_dim, hidden)),
-                ParamSpec(p + "self_attn.o_proj.weight", dtype, (hidden, heads * head_dim)),
-                ParamSpec(p + "self_attn.q_norm.weight", dtype, (head_dim,)),
+        out += _attention(p, hidden, heads, kv_heads, head_dim, dtype)
+        out += [ParamSpec(p + "self_attn.q_norm.weight", dtype, (head_dim,)),
                 ParamSpec(p + "self_attn.k_norm.weight", dtype, (head_dim,)),
                 ParamSpec(p + "mlp.gate.weight", dtype, (experts, hidden))]
         for e in range(experts):

@@ -1,0 +1,92 @@
+"""The vLLM engine on a GPU: the engine contract, then our weight sync into it over NCCL (trainer
+tensors on GPU 1, vLLM on GPU 0) and CUDA IPC (both on GPU 0), checked by checksum and by the engine's
+logprobs matching an independent forward of the new weights. Needs vLLM 0.26.0 (staged on the device).
+
+    python -m pytest -q -m gpu tests/gpu/test_vllm_engine.py
+"""
+import threading
+
+import pytest
+import torch
+
+from engine_contract import named_weights, reference_logprobs, run_contract
+
+pytestmark = pytest.mark.gpu
+vllm = pytest.importorskip("vllm")
+
+SPEC = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    from rlhf_orch.models import TinyModelSpec, ensure_model_dir
+    root = tmp_path_factory.mktemp("vllm_models")
+    return (str(ensure_model_dir("tiny-llama", TinyModelSpec(**SPEC), root / "a", seed=0)),
+            str(ensure_model_dir("tiny-llama", TinyModelSpec(**SPEC), root / "b", seed=1)))
+
+
+@pytest.fixture(scope="module")
+def engine(dirs):
+    from rlhf_orch.engines.vllm import VLLMEngine
+    e = VLLMEngine(name="v", model_path=dirs[0], dtype="bfloat16", gpu_memory_utilization=0.25,
+                   enforce_eager=True, enable_sleep_mode=False, max_model_len=64, seed=0)
+    yield e
+    getattr(e, "shutdown", lambda: None)()
+
+
+def test_vllm_engine_contract(engine, dirs):
+    from rlhf_orch.models import build_tokenizer
+    assert engine.device_ids()[0].startswith("gpu-")
+    run_contract(engine, dirs[0], dirs[1], build_tokenizer(), atol=0.05, dtype=torch.bfloat16)
+
+
+def _check_logprobs(engine, model_dir, version):
+    from rlhf_orch.engines.base import SamplingParams
+    from rlhf_orch.models import build_tokenizer
+    p = build_tokenizer()("2+3=", add_special_tokens=False).input_ids
+    s = engine.generate([p], SamplingParams(temperature=1.0, max_new_tokens=4, n=1))[0]
+    assert s.weight_version == version
+    ref = reference_logprobs(model_dir, s.prompt_ids, s.response_ids, 1.0)
+    assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(ref), atol=0.05), (s.logprobs, ref)
+
+
+@pytest.mark.parametrize("placement", ["nccl", "ipc"])
+def test_sync_into_vllm(engine, dirs, placement):
+    from rlhf_orch.types import ParamSpec, dtype_name
+    from rlhf_orch.weight_sync import WeightSender, plan_buckets
+    from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
+    if placement == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    target = dirs[1] if placement == "nccl" else dirs[0]     # each test moves the engine to other weights
+    dev = torch.device("cuda", 1 if placement == "nccl" else 0)
+    weights = [(n, t.to(dev)) for n, t in named_weights(target, torch.bfloat16)]
+    layouts = plan_buckets([ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in weights], 64 * 1024)
+    assert len(layouts) >= 3
+    engine.pause()
+    if placement == "nccl":
+        port, box = free_port("127.0.0.1"), {}
+
+        def trainer_side():
+            g = BroadcastGroup("nccl", "127.0.0.1", port, 0, 2, 120, dev)
+            g.warmup()
+            box["sender"] = WeightSender(layouts, dev, [], g)
+        t = threading.Thread(target=trainer_side)
+        t.start()
+        engine.setup_receiver(layouts, {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 2}, 1, True, 120)
+        t.join(120)
+        res = {}
+        t = threading.Thread(target=lambda: res.update(r=box["sender"].send(iter(weights), 2)))
+        t.start()
+        got, _ = engine.receive_broadcast(True)
+        t.join(120)
+        sent = res["r"]
+        assert got == sent.checksums
+    else:
+        engine.setup_receiver(layouts, None, 0, True, 120)
+        sender = WeightSender(layouts, dev, ["v"])
+        sent = sender.send(iter(weights), 3, deliver=lambda e, h, i, v: engine.receive_ipc(h, i, True), wait=lambda x: x)
+        assert sent.engine_checksums["v"] == sent.checksums
+    version = 2 if placement == "nccl" else 3
+    engine.finish_sync(version)
+    engine.resume()
+    _check_logprobs(engine, target, version)
