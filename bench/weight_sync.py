@@ -123,13 +123,15 @@ def trainer_main(conn, model, placement, port, bucket_mb, repeats, naive_repeats
 
         def naive():
             conn.send(("naive", None))
-            keep = []
             for name, t in params.items():
-                # a fresh tensor per parameter, as a ZeRO-3 gather hands over (and so a fresh handle to open)
+                # a fresh tensor per parameter, as a ZeRO-3 gather hands over (and so a fresh handle to open);
+                # like the per-parameter colocated APIs, wait for the engine's ack before freeing it
                 bid, fresh = allocate_shared(t.numel() * t.element_size(), dev)
                 fresh.view(t.dtype).view(t.shape).copy_(t)
-                keep.append(fresh)
+                _sync(dev)
                 conn.send(("p", name, pickle.dumps((export_handle(bid, fresh), t.dtype, tuple(t.shape)))))
+                conn.recv()
+                del fresh
             conn.send(("p", None, None))
             return conn.recv()
     res["naive_s"], _ = timed(naive, naive_repeats)
@@ -217,6 +219,10 @@ def engine_main(conn, model, placement, port):
                     h, dtype, shape = pickle.loads(handle)
                     t = open_handle(h).view(dtype).view(shape)   # opens one IPC handle per tensor
                 params[name].copy_(t)
+                if placement != "disagg":
+                    _sync(dev)
+                    del t
+                    conn.send("ack")
             _sync(dev)
             conn.send("done")
         elif cmd == "ours_setup":

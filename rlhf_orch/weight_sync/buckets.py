@@ -5,8 +5,8 @@ both sides of a sync hold the same layouts, so a sync needs no per-tensor metada
 buffer per bucket. Each tensor sits at a 256-byte aligned offset so views into the buffer are
 aligned for any dtype. A tensor larger than the bucket size gets a bucket of its own.
 
-Checksums are exact integer sums of a tensor's bytes read as 64/32/8-bit words (mod 2**64), so both
-sides agree bit for bit on any device; they catch stale, partial or missing loads cheaply (one
+Checksums are exact integer sums (mod 2**64) of a tensor's bytes read as int64 words, the last word
+zero-padded, so both sides agree bit for bit on any device; they catch stale, partial or missing loads cheaply (one
 reduction per tensor, one host sync per bucket). This module does no communication.
 """
 from __future__ import annotations
@@ -94,26 +94,47 @@ def unpack(layout: BucketLayout, buf: torch.Tensor) -> Iterator[tuple[str, torch
 
 
 def _word_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum (mod 2**64) of the tensor's bytes read as int64 words, the last word zero-padded."""
     raw = t.detach().contiguous().view(-1).view(torch.uint8)
+    if raw.storage_offset() % 8:
+        raw = raw.clone()    # a view at an unaligned offset cannot be re-viewed as int64
     n = raw.numel()
-    word = 8 if n % 8 == 0 else 4 if n % 4 == 0 else 1
-    if raw.storage_offset() % word:
-        raw = raw.clone()   # a view starting mid-word in its storage (e.g. into a flat buffer) cannot be re-viewed
-    if word == 8:
-        words = raw.view(torch.int64)
-    elif word == 4:
-        words = raw.view(torch.int32)
-    else:
-        words = raw
-    return words.sum(dtype=torch.int64)
+    main = n - n % 8
+    total = raw[:main].view(torch.int64).sum() if main else torch.zeros((), dtype=torch.int64, device=raw.device)
+    if n % 8:
+        tail = torch.zeros(8, dtype=torch.uint8, device=raw.device)
+        tail[:n % 8] = raw[main:]
+        total = total + tail.view(torch.int64)[0]
+    return total
 
 
 def checksums(tensors: Iterable[torch.Tensor]) -> list[int]:
-    """Exact per-tensor checksums (see module doc); one host sync for the whole list."""
+    """Exact per-tensor checksums (see module doc), with one host sync for the whole list."""
     sums = [_word_sum(t) for t in tensors]
     if not sums:
         return []
-    return [int(x) for x in torch.stack([s.cpu() for s in sums]).tolist()]
+    return torch.stack(sums).tolist()
+
+
+def bucket_checksums(layout: BucketLayout, buf: torch.Tensor) -> list[int]:
+    """The same per-slot checksums as `checksums(unpack(layout, buf))`, computed from the packed bucket.
+
+    Buckets of many small tensors (MoE experts) would need a kernel launch per tensor; here one scan
+    over the bucket's words and one gather give every slot's sum. It relies on the bytes between slots
+    being zero (buffers are zeroed once and padding is never written); the tail after the last slot is
+    cleared here because a previous, larger bucket may have used the same buffer.
+    """
+    if len(layout.slots) <= 64:
+        return checksums(slot_view(buf, s) for s in layout.slots)
+    end = (layout.nbytes + 7) // 8 * 8
+    if end > layout.nbytes:
+        buf[layout.nbytes:end].zero_()
+    words = buf[:end].view(torch.int64)
+    scan = words.cumsum(0)        # int64 wraps mod 2**64, so segment differences stay exact
+    starts = torch.tensor([s.offset // 8 for s in layout.slots], device=buf.device)
+    ends = torch.tensor([(s.offset + s.nbytes + 7) // 8 for s in layout.slots], device=buf.device)
+    before = torch.where(starts > 0, scan[(starts - 1).clamp(min=0)], torch.zeros_like(starts))
+    return (scan[ends - 1] - before).tolist()
 
 
 def digest(values: Sequence[int]) -> int:

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from rlhf_orch.errors import WeightSyncError
-from rlhf_orch.weight_sync.buckets import BucketLayout, checksums, max_bucket_bytes, slot_view
+from rlhf_orch.weight_sync.buckets import BucketLayout, bucket_checksums, max_bucket_bytes, slot_view
 from rlhf_orch.weight_sync.collective import BroadcastGroup
 from rlhf_orch.weight_sync.ipc import allocate_shared, export_handle
 
@@ -109,7 +109,7 @@ class WeightSender:
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
             del srcs
             if self.verify:
-                res.checksums.extend(checksums(dsts))
+                res.checksums.extend(bucket_checksums(layout, buf))
             else:
                 self._sync_device()
             res.pack_s += time.perf_counter() - t0

@@ -560,3 +560,18 @@ def test_inactive_sender_drains_iterator_and_returns_empty_result():
     res = sender.send(gen(), 3)
     assert consumed == [s.name for s in SMALL]
     assert res.checksums == [] and res.engine_checksums == {} and res.bytes == 0 and res.total_s == 0.0
+
+
+def test_bucket_checksums_match_per_tensor_checksums_for_many_small_tensors():
+    from rlhf_orch.weight_sync.buckets import bucket_checksums
+    torch.manual_seed(0)
+    specs = [ParamSpec(f"e{i}", ["bfloat16", "float32", "float16"][i % 3], (i % 7 + 1, 3)) for i in range(200)]
+    big = plan_buckets([ParamSpec("big", "float32", (4096,))], 1 << 20)[0]
+    layout = plan_buckets(specs, 1 << 20)[0]
+    assert len(layout.slots) == 200
+    buf = torch.zeros(max(layout.nbytes, big.nbytes) + 64, dtype=torch.uint8)
+    buf.random_()                       # stale bytes from an earlier, larger bucket
+    buf[:layout.nbytes].zero_()         # ... but the slot region starts zeroed, as allocated
+    tensors = [torch.randn(s.shape).to(getattr(torch, s.dtype)) for s in specs]
+    pack(layout, tensors, buf)
+    assert bucket_checksums(layout, buf) == checksums(tensors)

@@ -1,0 +1,208 @@
+"""The vLLM 0.26.0 rollout engine: an in-process `vllm.LLM` behind the RolloutEngine Protocol.
+
+Generation is one `LLM.generate` call over token-id prompts with `logprobs=0` (the sampled token's
+logprob only) and `logprobs_mode="processed_logprobs"`, so each logprob is log_softmax of the logits
+after temperature (and after top-k/top-p masking; with top_p=1 that is exactly log_softmax(logits / T),
+the quantity the trainer computes). Weight sync runs inside vLLM's workers through
+`rlhf_orch.engines.vllm_worker.WeightSyncWorkerExtension`: this class only forwards setup/receive
+calls with `collective_rpc` and reconciles the per-worker answers (TP workers must agree).
+
+It does not put the engine to sleep on `pause()`: `sleep(level)` / `wake_up(tags)` are separate so the
+colocation logic decides when to free memory. It does not support quantized models, pipeline
+parallelism or data parallelism. API references: docs/vllm_api_notes.md.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from rlhf_orch.engines.base import SamplingParams
+from rlhf_orch.engines.vllm_worker import pack_arg
+from rlhf_orch.errors import EngineError
+from rlhf_orch.types import Sample
+
+logger = logging.getLogger(__name__)
+
+EXTENSION = "rlhf_orch.engines.vllm_worker.WeightSyncWorkerExtension"
+_TAGS = ("weights", "kv_cache")
+
+
+class VLLMEngine:
+    checksums_mode = "received"   # checksums describe received tensors (see vllm_worker.py)
+
+    def __init__(self, name: str, model_path: str, device: str = "cuda", device_id: str = "",
+                 dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,
+                 enable_sleep_mode: bool = True, enforce_eager: bool = False, tensor_parallel_size: int = 1,
+                 max_model_len: int | None = None, load_format: str = "auto", **_ignored: Any):
+        if _ignored:
+            logger.debug("engine %s: ignoring options %s", name, sorted(_ignored))
+        self.name = name
+        self.weight_version = -1          # nothing synced yet: the first sync makes it 0
+        self.enable_sleep_mode = enable_sleep_mode
+        self.tensor_parallel_size = tensor_parallel_size
+        self._placement_id = device_id
+        self._paused = False
+        self._asleep: set[str] = set()
+        self._ids: list[str] | None = None
+        self._lock = threading.Lock()
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise EngineError(f"engine {name}: vLLM is not installed (pip install 'rlhf_orch[vllm]'): {e}") from e
+        try:
+            self.llm = LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                           gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
+                           enforce_eager=enforce_eager, seed=seed, max_model_len=max_model_len,
+                           load_format=load_format, worker_extension_cls=EXTENSION,
+                           logprobs_mode="processed_logprobs")
+        except Exception as e:
+            raise EngineError(f"engine {name}: vLLM failed to start from {model_path!r}: {type(e).__name__}: {e}") from e
+        logger.info("engine %s: vLLM up (tp=%d, dtype=%s, sleep_mode=%s)", name, tensor_parallel_size, dtype,
+                    enable_sleep_mode)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _rpc(self, method: str, *args) -> list:
+        try:
+            return self.llm.collective_rpc(method, args=args)
+        except Exception as e:
+            raise EngineError(f"engine {self.name}: {method} failed in a vLLM worker: {e}") from e
+
+    def _agree(self, method: str, results: list) -> Any:
+        """Every TP worker received the same full tensors, so their answers must be equal."""
+        first = results[0]
+        for rank, other in enumerate(results[1:], start=1):
+            if other != first:
+                raise EngineError(f"engine {self.name}: {method}: worker {rank} disagrees with worker 0")
+        return first
+
+    def _need_weights_awake(self, what: str) -> None:
+        if "weights" in self._asleep:
+            raise EngineError(f"engine {self.name}: {what} while the weights are asleep; call wake_up(['weights']) first")
+
+    def device_ids(self) -> list[str]:
+        if self._ids is None:
+            self._ids = [str(x) for x in self._rpc("rlhf_device_id")]
+        return list(self._ids)
+
+    # ---- generation -------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self._paused:
+            raise EngineError(f"engine {self.name}: generate called while paused for a weight sync")
+        if self._asleep:
+            raise EngineError(f"engine {self.name}: generate called while asleep ({sorted(self._asleep)}); call wake_up() first")
+        if not prompts:
+            return []
+        prompt_ids = [[int(t) for t in p] for p in prompts]
+        try:
+            sp = VSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
+                                 max_tokens=params.max_new_tokens, logprobs=0, seed=None, detokenize=True)
+        except Exception as e:   # e.g. vLLM allows temperature in [0, 2] only
+            raise EngineError(f"engine {self.name}: sampling parameters rejected by vLLM: {e}") from e
+        with self._lock:
+            try:
+                outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sp, use_tqdm=False)
+            except Exception as e:
+                raise EngineError(f"engine {self.name}: generate failed: {type(e).__name__}: {e}") from e
+        if len(outs) != len(prompt_ids):
+            raise EngineError(f"engine {self.name}: vLLM returned {len(outs)} outputs for {len(prompt_ids)} prompts")
+        samples: list[Sample] = []
+        for i, (p, out) in enumerate(zip(prompt_ids, outs)):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                samples.append(self._sample(i, p, c))
+        return samples
+
+    def _sample(self, prompt_index: int, prompt: list[int], c) -> Sample:
+        reason = c.finish_reason
+        if reason not in ("stop", "length"):
+            raise EngineError(f"engine {self.name}: a request finished with {reason!r} (stop_reason={c.stop_reason!r})")
+        resp = [int(t) for t in c.token_ids]
+        if c.logprobs is None or len(c.logprobs) != len(resp):
+            raise EngineError(f"engine {self.name}: vLLM returned no per-token logprobs for a completion")
+        # Each position is {token_id: Logprob}; with logprobs=0 it holds the sampled token (v1/engine/logprobs.py:107).
+        lps = [float(pos[tok].logprob) for tok, pos in zip(resp, c.logprobs)]
+        return Sample(prompt_index=prompt_index, prompt_ids=prompt, response_ids=resp, logprobs=lps,
+                      finish_reason=reason, weight_version=self.weight_version, engine=self.name, text=c.text)
+
+    # ---- weight sync (the actor shell forwards these; receivers live in the vLLM workers) ----------
+    def setup_receiver(self, layouts, group: dict | None, rank_offset: int, verify: bool, timeout_s: float) -> float:
+        """Build a receiver in every worker; with `group`, worker k joins as rank rank_offset + k. Returns seconds."""
+        self._need_weights_awake("setup_receiver")
+        group = None if group is None else {k: group[k] for k in ("backend", "host", "port", "world_size")}
+        secs = self._rpc("rlhf_setup_receiver", pack_arg(list(layouts)), group, int(rank_offset), bool(verify),
+                         float(timeout_s))
+        return max(float(s) for s in secs)
+
+    def receive_broadcast(self, verify: bool = True) -> tuple[list[int], dict[str, float]]:
+        self._need_weights_awake("receive_broadcast")
+        results = self._rpc("rlhf_receive_broadcast", bool(verify))
+        sums = self._agree("receive_broadcast", [[int(x) for x in r[0]] for r in results])
+        metrics: dict[str, float] = {}
+        for _, m in results:
+            for k, v in m.items():
+                metrics[k] = max(metrics.get(k, float("-inf")), float(v))
+        return sums, metrics
+
+    def receive_ipc(self, handle, bucket_index: int, verify: bool = True) -> list[int]:
+        self._need_weights_awake("receive_ipc")
+        results = self._rpc("rlhf_receive_ipc", pack_arg(handle), int(bucket_index), bool(verify))
+        return self._agree("receive_ipc", [[int(x) for x in r] for r in results])
+
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy (hf_name, tensor) pairs into the model through the workers (pickled on CPU: tests, small models)."""
+        self._need_weights_awake("load_weights")
+        self._rpc("rlhf_load_weights", pack_arg([(n, t.detach().cpu()) for n, t in named]))
+
+    def checksums(self, names: list[str]) -> list[int]:
+        """Checksums of the most recently received tensors of `names` (mode "received")."""
+        results = self._rpc("rlhf_checksums", list(names))
+        return self._agree("checksums", [[int(x) for x in r] for r in results])
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def pause(self) -> None:
+        with self._lock:   # waits for an in-flight generate to finish
+            self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def finish_sync(self, version: int) -> None:
+        """New weights are loaded: drop KV blocks computed with the old ones, record `version`."""
+        if not self.llm.reset_prefix_cache():
+            raise EngineError(f"engine {self.name}: vLLM could not reset its prefix cache (requests still running?)")
+        self.weight_version = version
+
+    def sleep(self, level: int = 1) -> None:
+        """Free GPU memory: level 1 offloads weights to CPU and drops the KV cache, level 2 drops both."""
+        if not self.enable_sleep_mode:
+            raise EngineError(f"engine {self.name}: sleep needs enable_sleep_mode: true")
+        if level not in (1, 2):
+            raise EngineError(f"engine {self.name}: sleep level must be 1 or 2, got {level}")
+        with self._lock:
+            self.llm.sleep(level=level)
+            self._asleep = set(_TAGS)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate `tags` (["weights"], then ["kv_cache"]; None: both). After level 2, sync before generating."""
+        tags = list(_TAGS) if tags is None else list(tags)
+        bad = [t for t in tags if t not in _TAGS]
+        if bad:
+            raise EngineError(f"engine {self.name}: unknown wake_up tags {bad}; use {list(_TAGS)}")
+        tags = [t for t in tags if t in self._asleep]
+        if tags:
+            self.llm.wake_up(tags=tags)
+            self._asleep -= set(tags)
+
+    def is_asleep(self) -> bool:
+        return bool(self._asleep)
+
+    def shutdown(self) -> None:
+        try:
+            self._rpc("rlhf_close")
+        except EngineError:
+            logger.warning("engine %s: closing the workers' receivers failed", self.name, exc_info=True)

@@ -1,0 +1,187 @@
+"""Weight-sync methods mixed into every vLLM 0.26.0 GPU worker, called through `LLM.collective_rpc`.
+
+vLLM appends `worker_extension_cls` to its Worker class's bases (vllm/v1/worker/worker_base.py:261-287),
+so these methods run inside each worker process with the worker as `self`: `self.device` is its GPU,
+`self.model_runner.get_model()` the unwrapped model (no CUDA-graph wrapper), `self.vllm_config` its config.
+Each worker owns one `WeightReceiver`; every tensor-parallel worker is its own rank in our broadcast
+group and receives the full HF tensors, which the model's `load_weights` fuses (qkv, gate_up) and shards.
+
+Checksums are of the tensors *received* (mode "received"), not of the engine's parameters: a fused,
+sharded vLLM parameter has no per-HF-tensor counterpart. They prove the bytes arrived intact; a wrong
+name still fails loudly, because vLLM's AutoWeightsLoader raises on unknown names.
+
+Arguments arrive through vLLM's msgpack utility channel, which turns dataclasses into dicts, so the
+engine sends layouts and IPC handles pickled to bytes (see docs/vllm_api_notes.md). This module must
+import without vLLM (it is imported by name inside the worker) and subclasses nothing from vLLM. It
+does not do layerwise reload, so quantized checkpoints are refused (see `_rlhf_check_supported`).
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from typing import Any
+
+import torch
+
+from rlhf_orch.weight_sync.buckets import BucketLayout, TensorSlot, checksums
+from rlhf_orch.weight_sync.ipc import IpcHandle
+from rlhf_orch.weight_sync.receiver import WeightReceiver
+
+logger = logging.getLogger(__name__)
+
+
+def pack_arg(obj: Any) -> bytes:
+    """Pickle an argument for collective_rpc (msgpack carries bytes unchanged)."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _unpack_arg(obj: Any) -> Any:
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return pickle.loads(bytes(obj))
+    return obj
+
+
+def _as_layouts(obj: Any) -> list[BucketLayout]:
+    """Layouts from pickled bytes, BucketLayout objects, or the dicts msgpack makes of them."""
+    out = []
+    for lay in _unpack_arg(obj):
+        if isinstance(lay, dict):
+            slots = tuple(TensorSlot(s["name"], s["dtype"], tuple(s["shape"]), s["offset"], s["nbytes"])
+                          for s in lay["slots"])
+            lay = BucketLayout(lay["index"], lay["nbytes"], slots)
+        out.append(lay)
+    return out
+
+
+def _as_handle(obj: Any) -> IpcHandle:
+    obj = _unpack_arg(obj)
+    return IpcHandle(**obj) if isinstance(obj, dict) else obj
+
+
+class WeightSyncWorkerExtension:
+    """Mixed into vLLM's Worker. Names start with `rlhf_`/`_rlhf_`: vLLM asserts no clash with Worker's."""
+
+    # ---- state (plain instance attributes; vLLM never calls an __init__ of the extension) ----------
+    def _rlhf_state(self) -> dict:
+        st = getattr(self, "_rlhf_st", None)
+        if st is None:
+            st = {"receiver": None, "views": {}, "sums": {}}
+            self._rlhf_st = st
+        return st
+
+    def _rlhf_model(self) -> torch.nn.Module:
+        # get_model() unwraps CUDAGraphWrapper/UBatchWrapper (gpu_model_runner.py:3288); V2 runner returns it as is.
+        return self.model_runner.get_model()
+
+    def _rlhf_check_supported(self) -> None:
+        # Plain (bf16/fp16/fp32) linears and embeddings do nothing after loading on CUDA (linear.py:214,
+        # vocab_parallel_embedding.py:61), so load_weights alone is complete; quantized layers are not.
+        if self.vllm_config.quant_config is not None:
+            raise RuntimeError("rlhf_orch weight sync loads checkpoint-format weights with model.load_weights and "
+                               "does not run vLLM's layerwise reload; quantized models are not supported")
+
+    def _rlhf_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """One model.load_weights call per bucket; keeps the received views for the checksum that follows."""
+        st = self._rlhf_state()
+        with torch.no_grad():
+            self._rlhf_model().load_weights(named)
+        st["views"] = dict(named)
+
+    def _rlhf_checksums_of_received(self, names: list[str]) -> list[int]:
+        st = self._rlhf_state()
+        views = st["views"]
+        missing = [n for n in names if n not in views]
+        if missing:
+            raise RuntimeError(f"checksums asked for tensors not in the last load: {missing[:5]}")
+        sums = checksums(views[n] for n in names)
+        st["sums"].update(zip(names, sums))
+        st["views"] = {}   # views alias a receive buffer that the next bucket overwrites
+        return sums
+
+    # ---- called through collective_rpc -------------------------------------------------------------
+    def rlhf_device_id(self) -> str:
+        return "gpu-" + str(torch.cuda.get_device_properties(self.device).uuid)
+
+    def rlhf_checksums_mode(self) -> str:
+        return "received"
+
+    def rlhf_setup_receiver(self, layouts: Any, group: dict | None, rank_offset: int, verify: bool,
+                            timeout_s: float) -> float:
+        """Build this worker's receiver; join the broadcast group as rank rank_offset + TP rank. Returns seconds."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        t0 = time.perf_counter()
+        self._rlhf_check_supported()
+        st = self._rlhf_state()
+        if st["receiver"] is not None:
+            st["receiver"].close()
+        st["receiver"] = WeightReceiver(_as_layouts(layouts), self.device, self._rlhf_load,
+                                        self._rlhf_checksums_of_received)
+        if group is not None:
+            rank = int(rank_offset) + get_tensor_model_parallel_rank()
+            st["receiver"].join_group(group["backend"], group["host"], int(group["port"]), rank,
+                                      int(group["world_size"]), float(timeout_s), local_host=None)
+            logger.info("worker on %s joined the weight-sync group as rank %d of %d", self.device, rank,
+                        group["world_size"])
+        return time.perf_counter() - t0
+
+    def _rlhf_receiver(self) -> WeightReceiver:
+        rec = self._rlhf_state()["receiver"]
+        if rec is None:
+            raise RuntimeError("weight receiver not set up: call rlhf_setup_receiver first")
+        return rec
+
+    def rlhf_receive_broadcast(self, verify: bool) -> tuple[list[int], dict[str, float]]:
+        return self._rlhf_receiver().receive_broadcast(bool(verify))
+
+    def rlhf_receive_ipc(self, handle: Any, bucket_index: int, verify: bool) -> list[int]:
+        return self._rlhf_receiver().receive_ipc(_as_handle(handle), int(bucket_index), bool(verify))
+
+    def rlhf_load_weights(self, named: Any) -> int:
+        """Load pickled [(name, cpu tensor)] in one load_weights call (tests, small models); returns count."""
+        self._rlhf_check_supported()
+        named = [(n, t.to(self.device)) for n, t in _unpack_arg(named)]
+        self._rlhf_load(named)
+        self._rlhf_checksums_of_received([n for n, _ in named])   # its .cpu() also waits for the copies
+        return len(named)
+
+    def rlhf_checksums(self, names: list[str]) -> list[int]:
+        """Checksums of the most recently received tensors of `names` (recorded when they were verified)."""
+        sums = self._rlhf_state()["sums"]
+        missing = [n for n in names if n not in sums]
+        if missing:
+            raise RuntimeError(f"no received checksum for {missing[:5]} (sync with verify=True first)")
+        return [sums[n] for n in names]
+
+    # ---- per-parameter paths and the raw link, for bench/weight_sync_vllm.py ----------------------------
+    def rlhf_recv_raw(self, nbytes: int) -> float:
+        """Receive one broadcast of `nbytes` into a fresh buffer (the link floor); returns seconds."""
+        buf = torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)
+        t0 = time.perf_counter()
+        self._rlhf_receiver().group.broadcast(buf)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def rlhf_receive_one(self, name: str, dtype: str, shape: list[int]) -> None:
+        """The naive path users run today: one call and one broadcast per parameter, then load_weights."""
+        from rlhf_orch.types import dtype_from_name
+        t = torch.empty(tuple(shape), dtype=dtype_from_name(dtype), device=self.device)
+        self._rlhf_receiver().group.broadcast(t)
+        with torch.no_grad():
+            self._rlhf_model().load_weights([(name, t)])
+
+    def rlhf_receive_one_ipc(self, name: str, handle: Any, dtype: str, shape: list[int]) -> None:
+        """The naive colocated path: one call and one fresh CUDA IPC handle per parameter."""
+        from rlhf_orch.types import dtype_from_name
+        from rlhf_orch.weight_sync.ipc import open_handle
+        t = open_handle(_as_handle(handle)).view(dtype_from_name(dtype)).view(tuple(shape))
+        with torch.no_grad():
+            self._rlhf_model().load_weights([(name, t)])
+        torch.cuda.synchronize(self.device)
+
+    def rlhf_close(self) -> None:
+        st = self._rlhf_state()
+        if st["receiver"] is not None:
+            st["receiver"].close()
+        st.update(receiver=None, views={}, sums={})
