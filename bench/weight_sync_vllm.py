@@ -71,9 +71,13 @@ def run(model: str, placement: str, bucket_mb: float, reps: int, root: Path) -> 
         engine.pause()
         if placement == "disagg":
             port, box = free_port("127.0.0.1"), {}
-            t = threading.Thread(target=lambda: box.update(g=BroadcastGroup("nccl", "127.0.0.1", port, 0, 2, 300, dev)))
+            def make_group():   # rank 0 must take part in the warm-up broadcast, or the worker waits forever
+                g = BroadcastGroup("nccl", "127.0.0.1", port, 0, 2, 120, dev)
+                g.warmup()
+                box["g"] = g
+            t = threading.Thread(target=make_group)
             t.start()
-            engine.setup_receiver(layouts, {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 2}, 1, True, 300)
+            engine.setup_receiver(layouts, {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 2}, 1, True, 120)
             t.join()
             group = box["g"]
             sender = WeightSender(layouts, dev, [], group)
