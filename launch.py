@@ -45,7 +45,6 @@ def prepare(argv):
 
 
 def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
-    import ray
     import torch
     from tqdm import tqdm
     from actors.builder import Cluster
@@ -61,7 +60,11 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
     try:
         cluster = Cluster.start(cfg, run_dir, model_path)           # Ray, placement, all actors, sinks
         sinks = cluster.sinks
-        if cfg.trainer.warm_start_steps:
+        resumed = cluster.restore() if cfg.resume else None         # trainer state, engine RNGs
+        if resumed:
+            dataset.restore(resumed["data"])
+            records = list(cluster.history)
+        elif cfg.trainer.warm_start_steps:
             rng = random.Random(seed)
             enc = lambda s: tokenizer(s, add_special_tokens=False).input_ids
             for _ in tqdm(range(cfg.trainer.warm_start_steps), desc="warm start", file=sys.stderr):
@@ -69,11 +72,13 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
                 batch = build_sft_batch([enc(p) for p, _ in pairs], [enc(a) + [tokenizer.eos_token_id] for _, a in pairs],
                                         tokenizer.pad_token_id)
                 cluster.trainers.step("sft_step", batch)
-        cluster.trainers.call("snapshot_reference")
-        sync_metrics = cluster.sync(0)                                 # engines start from the trainer's weights
+        cluster.trainers.call("snapshot_reference", cluster.reference_path)
+        start = resumed["step"] + 1 if resumed else 1
+        sync_metrics = cluster.sync(start - 1)                       # engines start from the trainer's weights
         logger.info("initial sync: %.1f MB in %.3fs (%s)", sync_metrics["sync/bytes"] / 1e6,
                     sync_metrics["sync/total_s"], cluster.plan)
-        bar = tqdm(range(1, cfg.experiment.steps + 1), desc="GRPO" if cfg_a.name == "grpo" else cfg_a.name, file=sys.stderr)
+        bar = tqdm(range(start, cfg.experiment.steps + 1), initial=start - 1, total=cfg.experiment.steps,
+                   desc=cfg_a.name.upper(), file=sys.stderr)
         for step in bar:
             timer = PhaseTimer()
             with timer.phase("step"):
@@ -100,7 +105,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
             if alarm and m["rollout/logprob_diff_max"] > alarm:
                 raise WeightSyncError(f"engine/trainer logprobs differ by {m['rollout/logprob_diff_max']:.4f} "
                                       f"> weight_sync.mismatch_alarm {alarm} after sync v{step - 1}")
-            records.append(m)
+            records.append({"step": step, **m})
             sinks.write(step, m)
             bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}", kl=f"{m.get('train/kl', 0.0):.4f}",
                             step_s=f"{m['perf/step_s']:.2f}", sync_s=f"{m['sync/total_s']:.3f}")
@@ -110,7 +115,8 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
             if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
                 cluster.checkpoint(step, dataset.state())
         summary = reward_summary([r["rollout/reward_mean"] for r in records])
-        summary.update(syncs=len(records) + 1, checksum_failures=0, transports=cluster.plan)
+        summary.update(syncs=cfg.experiment.steps - start + 2, checksum_failures=0, transports=cluster.plan,
+                       resumed_from=start - 1 if resumed else None)
         return summary
     finally:
         if cluster is not None:

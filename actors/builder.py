@@ -4,7 +4,6 @@ the running system; launch.py calls its few verbs (generate, score, sync, checkp
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -17,6 +16,8 @@ from actors.placement import allocate
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor, sampling_params
 from actors.trainer import TrainerGroup
+from rlhf_orch.checkpoint import (checkpoint_dir, latest_tag, mark_latest, read_rl_state, truncate_metrics,
+                                  write_rl_state)
 from rlhf_orch.config import engine_names
 from rlhf_orch.errors import EngineError, RewardError, WeightSyncError
 from rlhf_orch.rollout_utils import split_evenly
@@ -52,6 +53,12 @@ class Cluster:
         (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
         self.started_ray = init_ray(cfg)
         self.placement = None
+        self.history: list[dict] = []
+        if cfg.resume:   # drop metrics of steps after the checkpoint before the sinks append to the file
+            tag = latest_tag(checkpoint_dir(self.run_dir))
+            if tag is not None:
+                step = read_rl_state(checkpoint_dir(self.run_dir) / tag)[0]["step"]
+                self.history = truncate_metrics(self.run_dir / "metrics.jsonl", step)
         self.sinks = self._sinks()
         name, device = cfg.experiment.name, cfg.trainer.device
         self.placement = allocate(cfg, self.timeout)
@@ -123,11 +130,37 @@ class Cluster:
         return get(self.coordinator.sync.remote(version), self.cfg.weight_sync.timeout_s, f"weight sync v{version}", WeightSyncError)
 
     def checkpoint(self, step: int, data_state: dict) -> None:
-        ckpt = self.run_dir / "checkpoints"
-        state = {"step": step, "weight_version": step, "data": data_state}
-        self.trainers.call("save_checkpoint", str(ckpt), f"step{step}", state)
-        (ckpt / "latest").write_text(f"step{step}\n")
-        (ckpt / f"step{step}" / "rl_state.json").write_text(json.dumps(state))
+        """DeepSpeed state of every rank, the RL state (step, version, data cursor, engine RNG) and an HF
+        export; `latest` is moved last, so an interrupted save leaves the previous checkpoint in charge."""
+        ckpt = checkpoint_dir(self.run_dir)
+        tag = f"step{step}"
+        self.trainers.call("save_checkpoint", str(ckpt), tag, {"step": step})
+        names = list(self.engines)
+        rngs = get([self.engines[n].rng_state.remote() for n in names], self.timeout, "engine RNG states", EngineError)
+        write_rl_state(ckpt / tag, {"step": step, "weight_version": step, "data": data_state},
+                       {f"engine_rng/{n}": r for n, r in zip(names, rngs) if r is not None})
+        if self.cfg.trainer.export_hf:
+            self.trainers.call("export_hf", str(ckpt / tag / "hf"))
+        mark_latest(ckpt, tag)
+        logger.info("checkpoint %s written", ckpt / tag)
+
+    def restore(self) -> dict | None:
+        """Load the newest checkpoint into the trainers and engines' RNGs; None if there is none."""
+        ckpt = checkpoint_dir(self.run_dir)
+        tag = latest_tag(ckpt)
+        if tag is None:
+            logger.warning("resume=true but %s has no checkpoint: starting from scratch", ckpt)
+            return None
+        self.trainers.call("load_checkpoint", str(ckpt), tag)
+        state, tensors = read_rl_state(ckpt / tag)
+        get([e.set_rng_state.remote(tensors.get(f"engine_rng/{n}")) for n, e in self.engines.items()],
+            self.timeout, "engine RNG restore", EngineError)
+        logger.info("resumed from %s (step %d)", ckpt / tag, state["step"])
+        return state
+
+    @property
+    def reference_path(self) -> str:
+        return str(checkpoint_dir(self.run_dir) / "reference.pt")
 
     def _shutdown_actors(self) -> None:
         """Engines leave the broadcast group, then trainers leave theirs together, then all are killed."""
@@ -145,7 +178,7 @@ class Cluster:
         """Always runs: final checkpoint if the trainers are alive, plots, sinks closed, Ray shut down."""
         try:
             if records:
-                self.checkpoint(len(records), data_state)
+                self.checkpoint(int(records[-1]["step"]), data_state)
         except Exception as e:  # a dead trainer must not hide the metrics already written
             logger.warning("final checkpoint failed: %s", e)
         self._shutdown_actors()

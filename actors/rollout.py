@@ -59,6 +59,16 @@ class RolloutActor:
     def receive_broadcast(self, version: int):
         return self.receiver.receive_broadcast(self.verify)
 
+    def rng_state(self):
+        """None for engines whose sampling state cannot be saved (vLLM): their resume is not bit-exact."""
+        fn = getattr(self.engine, "rng_state", None)
+        return fn() if callable(fn) else None
+
+    def set_rng_state(self, state) -> None:
+        fn = getattr(self.engine, "set_rng_state", None)
+        if callable(fn) and state is not None:
+            fn(state)
+
     def pause(self) -> None:
         self.engine.pause()
 

@@ -55,8 +55,11 @@ class TrainerActor:
     def sft_step(self, batch: TrainBatch, num_tokens_global: float) -> dict:
         return self.trainer.sft_step(batch, num_tokens_global)
 
-    def snapshot_reference(self) -> None:
-        self.trainer.snapshot_reference()
+    def snapshot_reference(self, path: str | None = None) -> None:
+        self.trainer.snapshot_reference(path)
+
+    def load_checkpoint(self, directory: str, tag: str) -> dict:
+        return self.trainer.load_checkpoint(directory, tag)
 
     def save_checkpoint(self, directory: str, tag: str, client_state: dict) -> str:
         return self.trainer.save_checkpoint(directory, tag, client_state)

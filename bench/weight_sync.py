@@ -158,7 +158,7 @@ def trainer_main(conn, model, placement, port, bucket_mb, repeats, naive_repeats
             got = r.engine_checksums["engine"][-len(r.checksums):] if placement == "coloc" else engine_sums
             res["verified"] = bool(r.checksums) and got == r.checksums and len(r.checksums) == len(specs)
             res.update(pack_s=r.pack_s, send_wait_s=r.wait_s, load_s=load_s)
-        del sender
+        sender = None   # free its buffers before the next variant allocates
         torch.cuda.empty_cache()
     call("quit")
     return res

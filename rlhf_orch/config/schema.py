@@ -72,7 +72,8 @@ class TrainerSection(_Section):
     ppo_epochs: int = Field(1, ge=1, description="Optimizer passes over each rollout batch.")
     warm_start_steps: int = Field(0, ge=0, description="Supervised steps on the task's format before RL (0: none).")
     warm_start_real_answers: bool = Field(False, description="Warm start on real answers (True) or on random answers that teach only the format (False).")
-    checkpoint_every: int = Field(0, ge=0, description="Save a DeepSpeed checkpoint every N steps (0: only at the end).")
+    checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0: only at the end).")
+    export_hf: bool = Field(True, description="Write an HF safetensors folder of the policy with every checkpoint.")
     bf16: bool = Field(False, description="Train in bf16 (GPU).")
 
 
@@ -128,6 +129,7 @@ class MetricsSection(_Section):
 
 
 class ExperimentConfig(_Section):
+    resume: bool = Field(False, description="Continue from <run>/checkpoints/latest (same next batch); fresh start if none.")
     experiment: ExperimentSection = Field(default_factory=ExperimentSection, description="Run identity and length.")
     ray: RaySection = Field(default_factory=RaySection, description="Ray cluster.")
     model: ModelSection = Field(default_factory=ModelSection, description="Policy model.")

@@ -137,5 +137,12 @@ class HFEngine:
     def resume(self) -> None:
         self._paused = False
 
+    def rng_state(self) -> torch.Tensor:
+        """The sampling generator's state, so a resumed run samples exactly as an uninterrupted one."""
+        return self._gen.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self._gen.set_state(state)
+
     def finish_sync(self, version: int) -> None:
         self.weight_version = version   # no prefix cache here; the KV cache lives per call

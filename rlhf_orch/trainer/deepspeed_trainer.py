@@ -91,19 +91,26 @@ class DeepSpeedTrainer:
         self.engine.module.eval()
         return self._logprobs(self.engine.module, batch).cpu()
 
-    def snapshot_reference(self) -> None:
-        """Freeze a copy of the current policy as the KL reference (call once, when RL starts, on every
-        rank together). Built from the gathered weights, so it works for every ZeRO stage; it is a full
-        copy per rank, fine for models that fit one device (a separate reference group is the plan for
-        larger ones)."""
+    def snapshot_reference(self, path: str | None = None) -> None:
+        """Freeze the KL reference: the policy as RL starts (call on every rank together). Built from the
+        gathered weights, so it works for every ZeRO stage; a full copy per rank, fine for models that fit
+        one device (a separate reference group is the plan for larger ones). With `path`, rank 0 saves it
+        there, and a resumed run loads it back instead of freezing the resumed policy."""
         if self.kl_coef <= 0:
             return
         from transformers import AutoModelForCausalLM
         ref = AutoModelForCausalLM.from_config(self.engine.module.config, dtype=torch.float32)
         params = dict(ref.named_parameters())
         with torch.no_grad():
-            for name, t in self.iter_named_tensors(self._gather_groups(256 << 20)):
-                params[name].copy_(t)
+            if path and os.path.exists(path):
+                ref.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            else:
+                for name, t in self.iter_named_tensors(self._gather_groups(256 << 20)):
+                    params[name].copy_(t)
+                if path and self.rank == 0:
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    torch.save(ref.state_dict(), path + ".tmp")
+                    os.replace(path + ".tmp", path)
         self.ref_model = ref.to(self.device).eval().requires_grad_(False)
 
     # ---- steps ------------------------------------------------------------------------------------
@@ -205,8 +212,20 @@ class DeepSpeedTrainer:
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, directory: str, tag: str, client_state: dict | None = None) -> str:
-        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state or {})
+        state = dict(client_state or {}, torch_rng=torch.get_rng_state(), train_steps=self.steps)
+        self.engine.save_checkpoint(directory, tag=tag, client_state=state)
         return os.path.join(directory, tag)
+
+    def load_checkpoint(self, directory: str, tag: str) -> dict:
+        """Model, optimizer and this rank's RNG from a DeepSpeed checkpoint; returns its client state."""
+        path, client = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if path is None:
+            raise TrainerError(f"trainer rank {self.rank}: no DeepSpeed checkpoint {tag!r} in {directory}")
+        if "torch_rng" in client:
+            torch.set_rng_state(client["torch_rng"])
+        self.steps = int(client.get("train_steps", 0))
+        return {k: v for k, v in client.items() if k != "torch_rng"}
 
     def export_hf(self, directory: str) -> None:
         """Rank 0 writes an HF folder (safetensors) of the current policy; ZeRO-3 gathers first."""

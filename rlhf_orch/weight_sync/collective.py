@@ -18,7 +18,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rlhf_orch.distributed import free_port, tcp_store  # noqa: F401  (free_port re-exported)
+from rlhf_orch.distributed import free_port, tcp_store
+
+__all__ = ["BroadcastGroup", "free_port"]   # free_port re-exported: callers pick a port and build the group together
 
 logger = logging.getLogger(__name__)
 
