@@ -57,12 +57,15 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
     cfg_a, seed = cfg.algorithm, cfg.experiment.seed
     random.seed(seed), torch.manual_seed(seed)
     cluster, sinks, records = None, None, []
+    data_state = dataset.state()    # the cursor after the last *completed* step: what a checkpoint must hold
+    verified, syncs = 0, 0
     try:
         cluster = Cluster.start(cfg, run_dir, model_path)           # Ray, placement, all actors, sinks
         sinks = cluster.sinks
         resumed = cluster.restore() if cfg.resume else None         # trainer state, engine RNGs
         if resumed:
             dataset.restore(resumed["data"])
+            data_state = dataset.state()
             records = list(cluster.history)
         elif cfg.trainer.warm_start_steps:
             rng = random.Random(seed)
@@ -75,6 +78,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
         cluster.trainers.call("snapshot_reference", cluster.reference_path)
         start = resumed["step"] + 1 if resumed else 1
         sync_metrics = cluster.sync(start - 1)                       # engines start from the trainer's weights
+        syncs, verified = 1, int(sync_metrics["sync/checksum_ok"] == 1.0)
         logger.info("initial sync: %.1f MB in %.3fs (%s)", sync_metrics["sync/bytes"] / 1e6,
                     sync_metrics["sync/total_s"], cluster.plan)
         bar = tqdm(range(start, cfg.experiment.steps + 1), initial=start - 1, total=cfg.experiment.steps,
@@ -106,6 +110,8 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
                 raise WeightSyncError(f"engine/trainer logprobs differ by {m['rollout/logprob_diff_max']:.4f} "
                                       f"> weight_sync.mismatch_alarm {alarm} after sync v{step - 1}")
             records.append({"step": step, **m})
+            data_state = dataset.state()
+            syncs, verified = syncs + 1, verified + int(m["sync/checksum_ok"] == 1.0)
             sinks.write(step, m)
             bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}", kl=f"{m.get('train/kl', 0.0):.4f}",
                             step_s=f"{m['perf/step_s']:.2f}", sync_s=f"{m['sync/total_s']:.3f}")
@@ -113,14 +119,15 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
                 s = samples[0]
                 logger.info("step %d sample: %r -> %r (reward %.2f)", step, prompts[s.prompt_index].text, s.text, float(rewards[0]))
             if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
-                cluster.checkpoint(step, dataset.state())
+                cluster.checkpoint(step, data_state)
         summary = reward_summary([r["rollout/reward_mean"] for r in records])
-        summary.update(syncs=cfg.experiment.steps - start + 2, checksum_failures=0, transports=cluster.plan,
+        # A checksum mismatch raises, so a finished run has verified every sync unless weight_sync.verify is off.
+        summary.update(syncs=syncs, verified_syncs=verified, transports=cluster.plan,
                        resumed_from=start - 1 if resumed else None)
         return summary
     finally:
         if cluster is not None:
-            cluster.close(records, dataset.state())
+            cluster.close(records, data_state)
 
 
 def main(argv=None) -> int:

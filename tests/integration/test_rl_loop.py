@@ -32,7 +32,7 @@ def test_two_rl_steps_both_transports(tmp_path, zero_stage):
         # engines generated with exactly the trainer's weights
         assert r["rollout/logprob_diff_max"] < 1e-3
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["syncs"] == 3 and summary["checksum_failures"] == 0
+    assert summary["syncs"] == 3 and summary["verified_syncs"] == 3
     assert set(summary["transports"].values()) == {"ipc from trainer rank 0", "broadcast from trainer rank 0"}
     assert (run / "plots" / "reward.png").stat().st_size > 1000
     assert list((run / "tb").glob("events.out.tfevents.*"))
@@ -51,4 +51,7 @@ def test_failure_leaves_metrics_checkpoint_and_plots(tmp_path, capsys):
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step1"
+    # the cursor saved is the one after step 1, not after the failed step 2 drew its batch
+    state = json.loads((run / "checkpoints" / "step1" / "rl_state.json").read_text())
+    assert state["data"]["epoch"] == 0 and state["data"]["offset"] == 16
     assert (run / "plots" / "reward.png").exists()
