@@ -47,12 +47,22 @@ def init_ray(cfg) -> bool:
 class Cluster:
     @classmethod
     def start(cls, cfg, run_dir: Path, model_path: str) -> "Cluster":
+        """Everything up and the sync plan made; on any failure, what was started is torn down first."""
         self = cls()
         self.cfg, self.run_dir, self.timeout = cfg, Path(run_dir), cfg.ray.get_timeout_s
+        self.placement, self.sinks, self.started_ray = None, None, False
+        try:
+            self._build(model_path)
+        except BaseException:
+            self.close([], {})
+            raise
+        return self
+
+    def _build(self, model_path: str) -> None:
+        cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
         self.started_ray = init_ray(cfg)
-        self.placement = None
         self.history: list[dict] = []
         if cfg.resume:   # drop metrics of steps after the checkpoint before the sinks append to the file
             tag = latest_tag(checkpoint_dir(self.run_dir))
@@ -66,7 +76,7 @@ class Cluster:
         env = actor_env(device)
         self.engines, self.sampling = {}, {}
         names = iter(engine_names(cfg))
-        for idx, ecfg in enumerate(cfg.engines):
+        for ecfg in cfg.engines:
             for _ in range(ecfg.count):
                 ename = next(names)
                 bundle = self.placement.engine_bundles[ename][0]
@@ -91,7 +101,6 @@ class Cluster:
         info = get(self.coordinator.setup.remote(), cfg.weight_sync.timeout_s, "weight-sync setup", WeightSyncError)
         self.plan = info["plan"]
         logger.info("cluster up: %d trainer ranks, engines %s, sync plan %s", cfg.trainer.num_ranks, list(self.engines), self.plan)
-        return self
 
     def _sinks(self):
         from rlhf_orch.metrics import JsonlSink, MultiSink, RayMetricsSink, TensorBoardSink

@@ -173,7 +173,11 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
             p.append(f"engines.{i}.sampling.max_new_tokens: prompt ({cfg.data.max_prompt_tokens}) + response "
                      f"({e.sampling.max_new_tokens}) exceed model.tiny.max_position_embeddings "
                      f"({cfg.model.tiny.max_position_embeddings}); lower one or raise the other")
-    names = [n for n in engine_names(cfg)]
+    temps = {e.sampling.temperature for e in cfg.engines}
+    if len(temps) > 1:
+        p.append(f"engines.*.sampling.temperature: engines use different temperatures {sorted(temps)}; the trainer scores "
+                 "samples with one temperature, so give every engine the same one")
+    names = engine_names(cfg)
     if len(set(names)) != len(names):
         p.append("engines: two entries share a name; give each entry a distinct name")
     if cfg.weight_sync.transport == "ipc" and any(e.placement == "dedicated" for e in cfg.engines):

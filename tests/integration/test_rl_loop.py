@@ -55,3 +55,15 @@ def test_failure_leaves_metrics_checkpoint_and_plots(tmp_path, capsys):
     state = json.loads((run / "checkpoints" / "step1" / "rl_state.json").read_text())
     assert state["data"]["epoch"] == 0 and state["data"]["offset"] == 16
     assert (run / "plots" / "reward.png").exists()
+
+
+def test_infeasible_placement_is_a_clear_error_and_cleans_up(tmp_path, capsys):
+    import ray
+    # 8 trainer bundles + 1 dedicated engine (the colocated one shares a bundle) = 9 * 0.25 CPUs; the local
+    # Ray offers 1: Ray alone would wait forever.
+    rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "experiment.name=big", f"experiment.output_dir={tmp_path}",
+                      "trainer.num_ranks=8", "ray.num_cpus=1", "ray.get_timeout_s=5", "metrics.ray_metrics=false"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "error: ConfigError: placement: the run needs 2.25 CPUs (8 trainer ranks + dedicated engines) but the cluster offers 1" in err
+    assert not ray.is_initialized()

@@ -102,3 +102,9 @@ def test_bad_override_syntax(tmp_path):
 def test_missing_config_file():
     (msg,) = problems("/nonexistent.yaml")
     assert msg.startswith("--config: file '/nonexistent.yaml' not found")
+
+
+def test_engines_must_share_one_temperature(tmp_path):
+    p = write(tmp_path, "engines:\n  - {kind: hf, name: a, sampling: {temperature: 1.0}}\n  - {kind: hf, name: b, sampling: {temperature: 0.7}}\n")
+    (msg,) = problems(p)
+    assert msg.startswith("engines.*.sampling.temperature: engines use different temperatures [0.7, 1.0]")
