@@ -113,6 +113,3 @@ class WeightSyncCoordinator:
             "sync/ipc_engines": sum(r.transport == "ipc" for r in self.plan.routes.values()),
             "sync/broadcast_engines": len(bcast),
         }
-
-    def plan_summary(self) -> dict:
-        return self.plan.summary() if self.plan else {}

@@ -109,9 +109,9 @@ class WeightSender:
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
             del srcs
             if self.verify:
-                res.checksums.extend(bucket_checksums(layout, buf))
-            else:
-                self._sync_device()
+                res.checksums.extend(bucket_checksums(layout, buf))   # its host read also waits for the copies
+            elif self.ipc_engines:
+                self._sync_device()   # another process reads this buffer: the copies must be done first
             res.pack_s += time.perf_counter() - t0
             res.bytes += layout.nbytes
             if self.group is not None:
