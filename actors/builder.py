@@ -91,7 +91,8 @@ class Cluster:
                    grad_clip=cfg.trainer.grad_clip, bf16=cfg.trainer.bf16, clip_eps=cfg.algorithm.clip_eps,
                    clip_eps_high=cfg.algorithm.clip_eps_high, kl_coef=cfg.algorithm.kl_coef,
                    kl_estimator=cfg.algorithm.kl_estimator, temperature=cfg.engines[0].sampling.temperature,
-                   ppo_epochs=cfg.trainer.ppo_epochs, seed=cfg.experiment.seed)
+                   ppo_epochs=cfg.trainer.ppo_epochs, seed=cfg.experiment.seed,
+                   micro_batch_size=cfg.trainer.micro_batch_size, gradient_checkpointing=cfg.trainer.gradient_checkpointing)
         self.trainers.init(model_path, tkw)
         get([e.device_ids.remote() for e in self.engines.values()], self.timeout, "engines to start", EngineError)
         get([r.score.remote([]) for r in self.rewarders], self.timeout, "reward workers to start", RewardError)

@@ -70,6 +70,9 @@ class TrainerSection(_Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     ppo_epochs: int = Field(1, ge=1, description="Optimizer passes over each rollout batch.")
+    micro_batch_size: int = Field(0, ge=0, description="Sequences per forward/backward on a rank; gradients accumulate "
+                                  "over a rank's micro-batches into one optimizer step (0: the whole shard at once).")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory, ~30% slower).")
     warm_start_steps: int = Field(0, ge=0, description="Supervised steps on the task's format before RL (0: none).")
     warm_start_real_answers: bool = Field(False, description="Warm start on real answers (True) or on random answers that teach only the format (False).")
     checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0: only at the end).")

@@ -25,11 +25,30 @@ from rlhf_orch.types import ParamSpec, TrainBatch, dtype_from_name
 logger = logging.getLogger(__name__)
 
 
+def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Micro-batch metrics -> one step's: losses add up (each is already over the global token count),
+    maxima take the max, the rest are token-weighted means."""
+    tokens = sum(p["_tokens"] for p in parts) or 1.0
+    out = {}
+    for key in parts[0]:
+        if key == "_tokens":
+            continue
+        vals = [p[key] for p in parts]
+        if key == "loss":
+            out[key] = sum(vals)
+        elif key.endswith("_max"):
+            out[key] = max(vals)
+        else:
+            out[key] = sum(v * p["_tokens"] for v, p in zip(vals, parts)) / tokens
+    return out
+
+
 class DeepSpeedTrainer:
     def __init__(self, model_path: str, rank: int, world_size: int, *, device: str = "cpu", zero_stage: int = 2,
                  lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float = 1.0, bf16: bool = False,
                  clip_eps: float = 0.2, clip_eps_high: float | None = None, kl_coef: float = 0.0,
-                 kl_estimator: str = "k3", temperature: float = 1.0, ppo_epochs: int = 1, seed: int = 0):
+                 kl_estimator: str = "k3", temperature: float = 1.0, ppo_epochs: int = 1, seed: int = 0,
+                 micro_batch_size: int = 0, gradient_checkpointing: bool = False):
         import deepspeed
         from transformers import AutoModelForCausalLM
 
@@ -38,6 +57,7 @@ class DeepSpeedTrainer:
         self.clip_eps, self.clip_eps_high = clip_eps, clip_eps_high
         self.kl_coef, self.kl_estimator = kl_coef, kl_estimator
         self.temperature, self.ppo_epochs = temperature, ppo_epochs
+        self.micro_batch_size = micro_batch_size
         torch.manual_seed(seed)
         backend = "nccl" if device == "cuda" else "gloo"
         if device == "cuda":
@@ -67,8 +87,14 @@ class DeepSpeedTrainer:
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
+        if micro_batch_size:
+            # A rank's shard splits into however many micro-batches it needs (shards differ by a row), so
+            # DeepSpeed must not count micro-steps: backward() only accumulates, step() reduces and updates.
+            ds_config["managed_gradient_accumulation"] = False
         try:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            if gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                         config=ds_config)
         except Exception as e:
@@ -126,21 +152,38 @@ class DeepSpeedTrainer:
         metrics: dict[str, float] = {}
         self.engine.module.train()
         for epoch in range(self.ppo_epochs):
-            lp = self._logprobs(self.engine.module, batch)
+            parts: list[dict[str, float]] = []
+            olds: list[torch.Tensor] = []
+            for rows in self._micro_batches(len(batch)):
+                mb = batch.select(rows)
+                mmask, madv = mask[rows], adv[rows]
+                lp = self._logprobs(self.engine.module, mb)
+                if old is None:
+                    old_mb = lp.detach()   # on-policy first pass: ratio is exactly 1 (saves a forward)
+                    olds.append(old_mb)
+                else:
+                    old_mb = old[rows]
+                per_tok, m = policy_loss(lp, old_mb, madv, mmask, self.clip_eps, self.clip_eps_high)
+                if ref is not None:
+                    kl = kl_divergence(lp, ref[rows], self.kl_estimator)
+                    per_tok = per_tok + self.kl_coef * kl * mmask
+                    m["kl"] = float(masked_mean(kl.detach(), mmask))
+                # Each micro-batch's token sum over the *global* token count: summing them is the token mean.
+                loss = aggregate_token_loss(per_tok, mmask, num_tokens_global) * self.world_size
+                self.engine.backward(loss, scale_wrt_gas=False)
+                if not self.micro_batch_size:
+                    self.engine.step()
+                # loss = local sum / global tokens * world; the group averages ranks, giving the global mean
+                m["loss"] = float(loss.detach())
+                m["_tokens"] = float(mmask.sum())
+                parts.append(m)
+            if self.micro_batch_size:
+                self.engine.step()
             if old is None:
-                old = lp.detach()   # on-policy first pass: ratio is exactly 1 (saves a forward)
-            per_tok, m = policy_loss(lp, old, adv, mask, self.clip_eps, self.clip_eps_high)
-            if ref is not None:
-                kl = kl_divergence(lp, ref, self.kl_estimator)
-                per_tok = per_tok + self.kl_coef * kl * mask
-                m["kl"] = float(masked_mean(kl.detach(), mask))
-            loss = aggregate_token_loss(per_tok, mask, num_tokens_global) * self.world_size
-            self.engine.backward(loss)
-            self.engine.step()
-            m["loss"] = float(loss.detach()) / self.world_size
+                old = torch.cat(olds)
             gn = self.engine.get_global_grad_norm()
-            m["grad_norm"] = float(gn) if gn is not None else float("nan")
-            metrics = m
+            metrics = _combine(parts)
+            metrics["grad_norm"] = float(gn) if gn is not None else float("nan")
         eng_lp = batch.engine_logprobs.to(self.device)
         diff = (old - eng_lp).abs() * mask
         metrics["logprob_diff_sum"] = float(diff.sum())
@@ -148,6 +191,10 @@ class DeepSpeedTrainer:
         metrics["tokens"] = float(mask.sum())
         self.steps += 1
         return {f"train/{k}": v for k, v in metrics.items()}
+
+    def _micro_batches(self, n: int) -> list[slice]:
+        size = self.micro_batch_size or max(n, 1)
+        return [slice(i, min(i + size, n)) for i in range(0, max(n, 1), size)]
 
     def sft_step(self, batch: TrainBatch, num_tokens_global: float) -> dict[str, float]:
         """One supervised step (negative log-likelihood of the response tokens)."""
@@ -157,7 +204,7 @@ class DeepSpeedTrainer:
         loss = aggregate_token_loss(-lp, mask, num_tokens_global) * self.world_size
         self.engine.backward(loss)
         self.engine.step()
-        return {"warm_start/loss": float(loss.detach()) / self.world_size}
+        return {"warm_start/loss": float(loss.detach())}   # averaged over ranks: the global token mean
 
     # ---- weight sync ------------------------------------------------------------------------------
     def _named(self):
