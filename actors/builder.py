@@ -145,10 +145,14 @@ class Cluster:
         ckpt = checkpoint_dir(self.run_dir)
         tag = f"step{step}"
         self.trainers.call("save_checkpoint", str(ckpt), tag, {"step": step})
-        names = list(self.engines)
-        rngs = get([self.engines[n].rng_state.remote() for n in names], self.timeout, "engine RNG states", EngineError)
+        rngs = {}
+        for n, e in self.engines.items():
+            try:   # a dead engine must not cost the trainer's checkpoint; it restarts with a fresh RNG
+                rngs[n] = get(e.rng_state.remote(), self.timeout, f"engine {n} RNG state", EngineError)
+            except EngineError as err:
+                logger.warning("checkpoint %s without engine %s's sampling RNG: %s", tag, n, str(err).splitlines()[0])
         write_rl_state(ckpt / tag, {"step": step, "weight_version": step, "data": data_state},
-                       {f"engine_rng/{n}": r for n, r in zip(names, rngs) if r is not None})
+                       {f"engine_rng/{n}": r for n, r in rngs.items() if r is not None})
         if self.cfg.trainer.export_hf:
             self.trainers.call("export_hf", str(ckpt / tag / "hf"))
         mark_latest(ckpt, tag)
