@@ -51,6 +51,9 @@ class Cluster:
         self = cls()
         self.cfg, self.run_dir, self.timeout = cfg, Path(run_dir), cfg.ray.get_timeout_s
         self.placement, self.sinks, self.started_ray = None, None, False
+        self.trainers, self.coordinator, self.engines, self.rewarders = None, None, {}, []
+        self.history: list[dict] = []
+        self.resume_from: tuple[str, dict, dict] | None = None   # (tag, rl_state, tensors) when resuming
         try:
             self._build(model_path)
         except BaseException:
@@ -63,18 +66,18 @@ class Cluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
         self.started_ray = init_ray(cfg)
-        self.history: list[dict] = []
-        if cfg.resume:   # drop metrics of steps after the checkpoint before the sinks append to the file
+        if cfg.resume:   # read the checkpoint once; drop metrics after it before the sinks append to the file
             tag = latest_tag(checkpoint_dir(self.run_dir))
             if tag is not None:
-                step = read_rl_state(checkpoint_dir(self.run_dir) / tag)[0]["step"]
-                self.history = truncate_metrics(self.run_dir / "metrics.jsonl", step)
+                state, tensors = read_rl_state(checkpoint_dir(self.run_dir) / tag)
+                self.resume_from = (tag, state, tensors)
+                self.history = truncate_metrics(self.run_dir / "metrics.jsonl", state["step"])
         self.sinks = self._sinks()
         name, device = cfg.experiment.name, cfg.trainer.device
         self.placement = allocate(cfg, self.timeout)
         self.trainers = TrainerGroup(self.placement, device, name, self.timeout)
         env = actor_env(device)
-        self.engines, self.sampling = {}, {}
+        self.sampling = {}
         names = iter(engine_names(cfg))
         for ecfg in cfg.engines:
             for _ in range(ecfg.count):
@@ -159,14 +162,13 @@ class Cluster:
         logger.info("checkpoint %s written", ckpt / tag)
 
     def restore(self) -> dict | None:
-        """Load the newest checkpoint into the trainers and engines' RNGs; None if there is none."""
+        """Load the checkpoint found at start into the trainers and engines' RNGs; None if there was none."""
         ckpt = checkpoint_dir(self.run_dir)
-        tag = latest_tag(ckpt)
-        if tag is None:
+        if self.resume_from is None:
             logger.warning("resume=true but %s has no checkpoint: starting from scratch", ckpt)
             return None
+        tag, state, tensors = self.resume_from
         self.trainers.call("load_checkpoint", str(ckpt), tag)
-        state, tensors = read_rl_state(ckpt / tag)
         get([e.set_rng_state.remote(tensors.get(f"engine_rng/{n}")) for n, e in self.engines.items()],
             self.timeout, "engine RNG restore", EngineError)
         logger.info("resumed from %s (step %d)", ckpt / tag, state["step"])
@@ -178,14 +180,13 @@ class Cluster:
 
     def _shutdown_actors(self) -> None:
         """Engines leave the broadcast group, then trainers leave theirs together, then all are killed."""
-        for what, actors in (("engines", list(getattr(self, "engines", {}).values())),
-                             ("trainers", list(getattr(getattr(self, "trainers", None), "actors", [])))):
+        trainers = self.trainers.actors if self.trainers is not None else []
+        for what, actors in (("engines", list(self.engines.values())), ("trainers", trainers)):
             try:
                 ray.get([a.shutdown.remote() for a in actors], timeout=30)
             except Exception as e:   # a dead actor cannot shut down cleanly; killing it below is enough
                 logger.warning("clean shutdown of %s failed: %s", what, e)
-        for a in [*getattr(self, "engines", {}).values(), *getattr(getattr(self, "trainers", None), "actors", []),
-                  *getattr(self, "rewarders", []), *([self.coordinator] if hasattr(self, "coordinator") else [])]:
+        for a in [*self.engines.values(), *trainers, *self.rewarders, *([self.coordinator] if self.coordinator else [])]:
             ray.kill(a)
 
     def close(self, records: list[dict], data_state: dict) -> None:

@@ -242,15 +242,10 @@ class DeepSpeedTrainer:
                     torch.cuda.current_stream().synchronize()   # copies done before the partitions are freed
 
     def _gather_groups(self, nbytes: int) -> list[list[str]]:
-        """Consecutive names in groups of about `nbytes` (for gathers outside a sync)."""
-        groups, size = [[]], 0
-        for name, p in self._named():
-            if groups[-1] and size >= nbytes:
-                groups.append([])
-                size = 0
-            groups[-1].append(name)
-            size += getattr(p, "ds_numel", p.numel()) * p.element_size()
-        return groups
+        """Consecutive names in groups of about `nbytes` (for gathers outside a sync): the sync's own
+        bucket planner, so both gather the same way."""
+        from rlhf_orch.weight_sync.buckets import plan_buckets
+        return [layout.names for layout in plan_buckets(self.param_specs("float32"), nbytes)]
 
     def device_id(self) -> str:
         if self.device.type == "cuda":
