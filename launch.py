@@ -4,7 +4,8 @@
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- python launch.py --config configs/tiny_cpu.yaml
 
 Story: validate everything -> allocate -> build actors -> (warm start) -> initial sync -> per step:
-generate -> score -> train -> sync -> log/checkpoint; metrics, plots and a checkpoint are written in
+generate -> score -> train -> sync -> log/checkpoint (colocated runs hand each shared GPU from trainer
+to engines before generate and back after it, see actors/colocation.py); metrics, plots and a checkpoint are written in
 `finally`, so a failed run still leaves them readable.
 """
 from __future__ import annotations
@@ -87,8 +88,12 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
             timer = PhaseTimer()
             with timer.phase("step"):
                 prompts = dataset.next_batch(cfg.data.prompts_per_step)
+                with timer.phase("to_generate"):    # colocation: trainers offload, engines wake (else no-op)
+                    coloc = cluster.to_generate()
                 with timer.phase("generate"):
                     samples, gen_s = cluster.generate(prompts, cfg_a.group_size)
+                with timer.phase("to_train"):       # colocation: engines sleep, trainers reload
+                    coloc.update(cluster.to_train())
                 check_versions(samples, step - 1)
                 with timer.phase("reward"):
                     rewards = torch.tensor(cluster.score(samples, prompts))
@@ -102,7 +107,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
                     train = cluster.trainers.step("train_step", batch)
                 with timer.phase("sync"):
                     sync_metrics = cluster.sync(step)
-            m = {**rollout_metrics(prompts, samples, rewards, adv, gen_s), **train, **sync_metrics, **timer.metrics()}
+            m = {**rollout_metrics(prompts, samples, rewards, adv, gen_s), **train, **sync_metrics, **coloc, **timer.metrics()}
             m["rollout/logprob_diff_mean"] = train["train/logprob_diff_sum"] / max(train["train/tokens"], 1.0)
             m["rollout/logprob_diff_max"] = train["train/logprob_diff_max"]
             alarm = cfg.weight_sync.mismatch_alarm

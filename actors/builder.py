@@ -10,6 +10,7 @@ from pathlib import Path
 
 import ray
 
+from actors.colocation import Colocation
 from actors.common import actor_env, get
 from actors.coordinator import WeightSyncCoordinator
 from actors.placement import allocate
@@ -44,6 +45,14 @@ def init_ray(cfg) -> bool:
     return True
 
 
+def engine_env(env: dict, ecfg) -> dict:
+    """An engine's own environment: `python_path` (SGLang's separate install, say) goes first on PYTHONPATH."""
+    extra = getattr(ecfg, "python_path", None)
+    if not extra:
+        return env
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [extra, env.get("PYTHONPATH")]))}
+
+
 class Cluster:
     @classmethod
     def start(cls, cfg, run_dir: Path, model_path: str) -> "Cluster":
@@ -52,6 +61,7 @@ class Cluster:
         self.cfg, self.run_dir, self.timeout = cfg, Path(run_dir), cfg.ray.get_timeout_s
         self.placement, self.sinks, self.started_ray = None, None, False
         self.trainers, self.coordinator, self.engines, self.rewarders = None, None, {}, []
+        self.colocation: Colocation | None = None
         self.history: list[dict] = []
         self.resume_from: tuple[str, dict, dict] | None = None   # (tag, rl_state, tensors) when resuming
         try:
@@ -77,17 +87,21 @@ class Cluster:
         self.placement = allocate(cfg, self.timeout)
         self.trainers = TrainerGroup(self.placement, device, name, self.timeout)
         env = actor_env(device)
-        self.sampling = {}
+        self.sampling, sleep_levels = {}, {}
         names = iter(engine_names(cfg))
         for ecfg in cfg.engines:
             for _ in range(ecfg.count):
                 ename = next(names)
                 bundle = self.placement.engine_bundles[ename][0]
                 kwargs = {"model_path": model_path, "dtype": cfg.model.dtype, "seed": cfg.experiment.seed + 1000 * (len(self.engines) + 1)}
-                kwargs.update(ecfg.model_dump(exclude={"name", "count", "placement", "tensor_parallel_size", "sampling", "kind"}))
-                self.engines[ename] = RolloutActor.options(**self.placement.options(bundle, f"{name}-engine-{ename}", env)).remote(
-                    ename, ecfg.kind, device, self.placement.device_id(bundle), kwargs)
+                kwargs.update(ecfg.model_dump(exclude={"name", "count", "placement", "sampling", "kind", "sleep_level",
+                                                       "python_path"}))
+                if ecfg.kind == "hf":
+                    kwargs.pop("tensor_parallel_size")
+                opts = self.placement.options(bundle, f"{name}-engine-{ename}", engine_env(env, ecfg))
+                self.engines[ename] = RolloutActor.options(**opts).remote(ename, ecfg.kind, device, self.placement.device_id(bundle), kwargs)
                 self.sampling[ename] = ecfg.sampling
+                sleep_levels[ename] = ecfg.sleep_level
         self.rewarders = [RewardActor.options(name=f"{name}-reward-{i}", runtime_env={"env_vars": env}).remote(cfg.reward.function)
                           for i in range(cfg.reward.num_workers)]
         tkw = dict(zero_stage=cfg.trainer.zero_stage, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
@@ -96,8 +110,12 @@ class Cluster:
                    kl_estimator=cfg.algorithm.kl_estimator, temperature=cfg.engines[0].sampling.temperature,
                    ppo_epochs=cfg.trainer.ppo_epochs, seed=cfg.experiment.seed,
                    micro_batch_size=cfg.trainer.micro_batch_size, gradient_checkpointing=cfg.trainer.gradient_checkpointing)
-        self.trainers.init(model_path, tkw)
+        # Engines first: vLLM sizes its memory from what is free when it starts, and a colocated trainer
+        # allocating meanwhile would skew that; then colocated engines sleep while the trainer starts.
         get([e.device_ids.remote() for e in self.engines.values()], self.timeout, "engines to start", EngineError)
+        self.colocation = Colocation(self.trainers, self.engines, sleep_levels, cfg.trainer.offload, device, self.timeout)
+        self.colocation.start()
+        self.trainers.init(model_path, tkw)
         get([r.score.remote([]) for r in self.rewarders], self.timeout, "reward workers to start", RewardError)
         self.coordinator = WeightSyncCoordinator.options(name=f"{name}-weight-sync", runtime_env={"env_vars": env}).remote(
             self.trainers.actors, self.engines, device, cfg.model.dtype, cfg.weight_sync.transport,
@@ -139,8 +157,19 @@ class Cluster:
         out = get([r.score.remote(p) for r, p in zip(self.rewarders, parts)], self.timeout, "reward workers", RewardError)
         return [x for part in out for x in part]
 
+    def to_generate(self) -> dict:
+        """Colocation: trainers offload, sleeping engines take their KV cache back (no-op otherwise)."""
+        return self.colocation.to_generate()
+
+    def to_train(self) -> dict:
+        """Colocation: engines sleep, trainers reload (no-op otherwise)."""
+        return self.colocation.to_train()
+
     def sync(self, version: int) -> dict:
-        return get(self.coordinator.sync.remote(version), self.cfg.weight_sync.timeout_s, f"weight sync v{version}", WeightSyncError)
+        """Push the trainer's weights into every engine as `version` (in the train phase)."""
+        wake = self.colocation.wake_weights()
+        out = get(self.coordinator.sync.remote(version), self.cfg.weight_sync.timeout_s, f"weight sync v{version}", WeightSyncError)
+        return {**out, **wake}
 
     def checkpoint(self, step: int, data_state: dict) -> None:
         """DeepSpeed state of every rank, the RL state (step, version, data cursor, engine RNG) and an HF
@@ -191,6 +220,11 @@ class Cluster:
 
     def close(self, records: list[dict], data_state: dict) -> None:
         """Always runs: final checkpoint if the trainers are alive, plots, sinks closed, Ray shut down."""
+        try:
+            if records and self.colocation is not None:
+                self.colocation.to_train()   # a run failing mid-generate: give the trainer its GPU back first
+        except Exception as e:
+            logger.warning("could not put engines to sleep before the final checkpoint: %s", str(e).splitlines()[0])
         try:
             if records:
                 self.checkpoint(int(records[-1]["step"]), data_state)

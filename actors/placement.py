@@ -2,9 +2,11 @@
 
 One bundle per device slot: a GPU (with a CPU) on CUDA, a small CPU share on CPU. Trainer rank r
 takes bundle r; a colocated engine shares a trainer rank's bundle (and so its GPU); a dedicated
-engine takes `tensor_parallel_size` bundles of its own. Actors sharing a bundle split its resources,
-which is what makes Ray put them on the same GPU. On CPU a bundle stands in for a device: its index
-is the device id the weight-sync plan compares.
+engine takes one bundle of its own holding `tensor_parallel_size` GPUs, so its actor sees exactly those
+GPUs (Ray sets CUDA_VISIBLE_DEVICES to them) and the engine starts its TP workers as its own
+subprocesses. Actors sharing a bundle split its resources, which is what makes Ray put them on the
+same GPU. On CPU a bundle stands in for a device: its index is the device id the weight-sync plan
+compares.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class Placement:
     trainer_bundles: list[int]
     engine_bundles: dict[str, list[int]]
     sharing: dict[int, int] = field(default_factory=dict)    # bundle -> number of actors in it
+    gpus: dict[int, int] = field(default_factory=dict)       # bundle -> GPUs in it (1 unless a TP engine's)
 
     def options(self, bundle: int, name: str, env: dict) -> dict:
         share = 1.0 / self.sharing.get(bundle, 1)
@@ -36,7 +39,7 @@ class Placement:
             "runtime_env": {"env_vars": env},
         }
         if self.device == "cuda":
-            opts.update(num_gpus=share, num_cpus=share)
+            opts.update(num_gpus=self.gpus.get(bundle, 1) * share, num_cpus=share)
         else:
             opts.update(num_cpus=CPU_SLOT * share)
         return opts
@@ -53,7 +56,8 @@ def allocate(cfg: ExperimentConfig, timeout_s: float) -> Placement:
     n = cfg.trainer.num_ranks
     trainer_bundles = list(range(n))
     engine_bundles: dict[str, list[int]] = {}
-    next_bundle, next_colocated = n, 0
+    gpus = [1] * n                     # GPUs per bundle (CUDA runs)
+    next_colocated = 0
     names = iter(engine_names(cfg))
     for e in cfg.engines:
         for _ in range(e.count):
@@ -62,14 +66,15 @@ def allocate(cfg: ExperimentConfig, timeout_s: float) -> Placement:
                 engine_bundles[name] = [next_colocated]
                 next_colocated += 1
             else:
-                engine_bundles[name] = list(range(next_bundle, next_bundle + e.tensor_parallel_size))
-                next_bundle += e.tensor_parallel_size
-    slot = {"GPU": 1.0, "CPU": 1.0} if cfg.trainer.device == "cuda" else {"CPU": CPU_SLOT}
-    pg = placement_group([dict(slot) for _ in range(next_bundle)], strategy="PACK", name=f"{cfg.experiment.name}-pg")
+                engine_bundles[name] = [len(gpus)]
+                gpus.append(e.tensor_parallel_size)
+    cuda = cfg.trainer.device == "cuda"
+    bundles = [{"GPU": float(g), "CPU": 1.0} if cuda else {"CPU": CPU_SLOT} for g in gpus]
+    pg = placement_group(bundles, strategy="PACK", name=f"{cfg.experiment.name}-pg")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
-        need = next_bundle if cfg.trainer.device == "cuda" else next_bundle * CPU_SLOT
+        need = sum(gpus) if cuda else len(gpus) * CPU_SLOT
         key = "GPU" if cfg.trainer.device == "cuda" else "CPU"
         raise ConfigError(f"placement: the run needs {need:g} {key}s ({n} trainer ranks + dedicated engines) "
                           f"but the cluster offers {ray.cluster_resources().get(key, 0):g}; "
@@ -77,4 +82,4 @@ def allocate(cfg: ExperimentConfig, timeout_s: float) -> Placement:
     sharing: dict[int, int] = {}
     for b in trainer_bundles + [b for bs in engine_bundles.values() for b in bs]:
         sharing[b] = sharing.get(b, 0) + 1
-    return Placement(pg, cfg.trainer.device, trainer_bundles, engine_bundles, sharing)
+    return Placement(pg, cfg.trainer.device, trainer_bundles, engine_bundles, sharing, dict(enumerate(gpus)))

@@ -78,6 +78,22 @@ class RolloutActor:
     def finish_sync(self, version: int) -> None:
         self.engine.finish_sync(version)
 
+    # ---- colocation -----------------------------------------------------------------------------
+    def sleep(self, level: int) -> float:
+        t0 = time.perf_counter()
+        self.engine.sleep(level)
+        return time.perf_counter() - t0
+
+    def wake_up(self, tags: list[str]) -> float:
+        t0 = time.perf_counter()
+        self.engine.wake_up(tags)
+        return time.perf_counter() - t0
+
+    def device_memory(self) -> dict[str, float]:
+        """{device id: used GiB} of this engine's GPUs (whole devices, via NVML; {} on CPU)."""
+        from rlhf_orch.gpu_memory import devices_used_gb
+        return devices_used_gb(self.engine.device_ids())
+
     def shutdown(self) -> None:
         close = getattr(self.receiver, "close", None)
         if callable(close):

@@ -67,6 +67,19 @@ class TrainerActor:
     def export_hf(self, directory: str) -> None:
         self.trainer.export_hf(directory)
 
+    # ---- colocation -----------------------------------------------------------------------------
+    def offload_states(self) -> dict:
+        return self.trainer.offload_states()
+
+    def reload_states(self) -> dict:
+        return self.trainer.reload_states()
+
+    def device_memory(self) -> dict[str, float]:
+        """{device id: used GiB} of this rank's GPU ({} on CPU)."""
+        from rlhf_orch.gpu_memory import process_memory
+        m = process_memory(self.trainer.device)
+        return {self.device_id(): m["device_used_gb"]} if m else {}
+
     # ---- weight sync ----------------------------------------------------------------------------
     def param_specs(self, dtype: str):
         return self.trainer.param_specs(dtype)

@@ -73,3 +73,38 @@ def run_contract(engine, model_dir: str, other_model_dir: str, tokenizer, atol: 
     assert torch.allclose(torch.tensor(after.logprobs), torch.tensor(ref_new), atol=atol)
     ref_old = reference_logprobs(model_dir, after.prompt_ids, after.response_ids, 1.0)
     assert not torch.allclose(torch.tensor(ref_new), torch.tensor(ref_old), atol=atol), "models must differ"
+
+
+def run_sleep_contract(engine, model_dir: str, tokenizer, atol: float = 1e-4, dtype=torch.float32):
+    """Colocation: sleep frees the engine for a trainer; after level 2 the weights come back only through a
+    load (the sync), after level 1 they come back by themselves. An asleep engine refuses to generate."""
+    prompt = tokenizer("2+2=", add_special_tokens=False).input_ids
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, n=1)
+    weights = named_weights(model_dir, dtype)
+
+    def check(version):
+        s = engine.generate([prompt], params)[0]
+        assert s.weight_version == version
+        ref = reference_logprobs(model_dir, s.prompt_ids, s.response_ids, 1.0)
+        assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(ref), atol=atol), (s.logprobs, ref)
+
+    # level 2: weights dropped; wake the weights, load them (what the sync does), then the KV cache
+    engine.load_weights(weights)
+    engine.sleep(2)
+    assert engine.is_asleep()
+    with pytest.raises(EngineError, match="asleep"):
+        engine.generate([prompt], params)
+    engine.wake_up(["weights"])
+    engine.pause()
+    engine.load_weights(weights)
+    assert engine.checksums([n for n, _ in weights]) == checksums(t for _, t in weights)
+    engine.finish_sync(11)
+    engine.resume()
+    engine.wake_up(["kv_cache"])
+    assert not engine.is_asleep()
+    check(11)
+
+    # level 1: weights kept in CPU memory and restored by wake_up alone
+    engine.sleep(1)
+    engine.wake_up()
+    check(11)

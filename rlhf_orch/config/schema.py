@@ -78,6 +78,8 @@ class TrainerSection(_Section):
     checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0: only at the end).")
     export_hf: bool = Field(True, description="Write an HF safetensors folder of the policy with every checkpoint.")
     bf16: bool = Field(False, description="Train in bf16 (GPU).")
+    offload: bool = Field(False, description="Colocation: move optimizer state, master weights, model partitions and "
+                          "gradients to CPU memory while engines generate, and back before the train step (zero_stage >= 1).")
 
 
 class SamplingSection(_Section):
@@ -92,6 +94,8 @@ class _EngineBase(_Section):
     placement: Literal["colocated", "dedicated"] = Field("dedicated", description="colocated: share trainer ranks' devices; dedicated: own devices.")
     tensor_parallel_size: int = Field(1, ge=1, description="Devices per engine (dedicated engines).")
     sampling: SamplingSection = Field(default_factory=SamplingSection, description="Sampling parameters.")
+    sleep_level: Literal[0, 1, 2] = Field(0, description="Colocated engines: free GPU memory while the trainer trains "
+                                          "(1: weights kept in CPU memory, 2: weights dropped, the sync refills them; 0: stay resident).")
 
 
 class HFEngineConfig(_EngineBase):
@@ -104,6 +108,9 @@ class VLLMEngineConfig(_EngineBase):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="Fraction of each GPU vLLM may use.")
     enable_sleep_mode: bool = Field(True, description="Release KV cache and weights while the trainer trains (colocated).")
     enforce_eager: bool = Field(False, description="Skip CUDA graphs (faster start, slower decode).")
+    kv_cache_memory_gb: float | None = Field(None, gt=0, description="Fixed KV-cache size per GPU in GiB (overrides "
+                                             "gpu_memory_utilization for the cache; keeps prefix-cache resets cheap on small models).")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response vLLM schedules (default: the model's).")
 
 
 class SGLangEngineConfig(_EngineBase):
@@ -185,6 +192,13 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
         p.append("engines: two entries share a name; give each entry a distinct name")
     if cfg.weight_sync.transport == "ipc" and any(e.placement == "dedicated" for e in cfg.engines):
         p.append("weight_sync.transport: ipc needs every engine colocated with a trainer rank; use auto or broadcast")
+    for i, e in enumerate(cfg.engines):
+        if e.sleep_level and e.placement != "colocated":
+            p.append(f"engines.{i}.sleep_level: only colocated engines sleep (they share the trainer's GPU); set it to 0")
+        if e.sleep_level and e.kind == "vllm" and not e.enable_sleep_mode:
+            p.append(f"engines.{i}.sleep_level: vLLM sleeps only with enable_sleep_mode: true; set it or sleep_level: 0")
+    if cfg.trainer.offload and cfg.trainer.zero_stage == 0:
+        p.append("trainer.offload: offloading moves ZeRO's optimizer partitions; set trainer.zero_stage to 1, 2 or 3")
     if cfg.trainer.bf16 and cfg.trainer.device == "cpu":
         p.append("trainer.bf16: bf16 training is for cuda here; set trainer.bf16: false or trainer.device: cuda")
     return p

@@ -5,6 +5,11 @@ receivers, same checksum verification. Generation is left-padded and batched (`m
 sequences per call); per-token logprobs are log_softmax(logits / temperature) of the sampled tokens,
 the same quantity the trainer computes, so their difference measures train/inference mismatch.
 
+`sleep(level)`/`wake_up(tags)` free the weights' memory while a colocated trainer trains, with vLLM's
+meaning: level 1 moves them to CPU memory, level 2 drops them; waking re-allocates them (after level 2
+filled with NaN, so a wake without the sync that must follow cannot go unnoticed). There is no
+persistent KV cache, so the "kv_cache" tag only records state.
+
 It does not do continuous batching, paged KV caches or tensor parallelism: use vLLM for speed.
 """
 from __future__ import annotations
@@ -34,6 +39,8 @@ class HFEngine:
         self.weight_version = -1        # nothing synced yet: the first sync makes it 0
         self._device_id = device_id
         self._paused = False
+        self._asleep: set[str] = set()
+        self._sleep_level = 0
         self._lock = threading.Lock()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -42,6 +49,7 @@ class HFEngine:
             raise EngineError(f"engine {name}: cannot load model from {model_path!r}: {type(e).__name__}: {e}") from e
         self.model.eval()
         self.params = dict(self.model.named_parameters())
+        self._shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -56,6 +64,8 @@ class HFEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
         if self._paused:
             raise EngineError(f"engine {self.name}: generate called while paused for a weight sync")
+        if self._asleep:
+            raise EngineError(f"engine {self.name}: generate called while asleep ({sorted(self._asleep)}); call wake_up() first")
         flat = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         out: list[Sample] = []
         with self._lock:
@@ -121,6 +131,8 @@ class HFEngine:
     # ---- weights ----------------------------------------------------------------------------------
     @torch.no_grad()
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        if "weights" in self._asleep:
+            raise EngineError(f"engine {self.name}: weights arrived while asleep; call wake_up(['weights']) first")
         missing = [n for n, _ in named if n not in self.params]
         if missing:
             raise EngineError(f"engine {self.name}: no parameter named {missing[0]!r} in the model")
@@ -146,3 +158,34 @@ class HFEngine:
 
     def finish_sync(self, version: int) -> None:
         self.weight_version = version   # no prefix cache here; the KV cache lives per call
+
+    # ---- colocation -------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the weights' device memory: level 1 keeps a CPU copy, level 2 drops them (sync refills)."""
+        if level not in (1, 2):
+            raise EngineError(f"engine {self.name}: sleep level must be 1 or 2, got {level}")
+        with self._lock:
+            if "weights" not in self._asleep:
+                for p in self.params.values():
+                    p.data = p.data.to("cpu") if level == 1 else torch.empty(0, dtype=p.dtype, device=p.device)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            self._sleep_level = level
+            self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        bad = [t for t in tags if t not in ("weights", "kv_cache")]
+        if bad:
+            raise EngineError(f"engine {self.name}: unknown wake_up tags {bad}; use ['weights', 'kv_cache']")
+        if "weights" in tags and "weights" in self._asleep:
+            shapes = self._shapes
+            for n, p in self.params.items():
+                if self._sleep_level == 1:
+                    p.data = p.data.to(self.device)
+                else:
+                    p.data = torch.full(shapes[n], float("nan"), dtype=p.dtype, device=self.device)
+        self._asleep -= set(tags)
+
+    def is_asleep(self) -> bool:
+        return bool(self._asleep)

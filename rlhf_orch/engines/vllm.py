@@ -36,7 +36,8 @@ class VLLMEngine:
     def __init__(self, name: str, model_path: str, device: str = "cuda", device_id: str = "",
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,
                  enable_sleep_mode: bool = True, enforce_eager: bool = False, tensor_parallel_size: int = 1,
-                 max_model_len: int | None = None, load_format: str = "auto", **_ignored: Any):
+                 max_model_len: int | None = None, load_format: str = "auto", kv_cache_memory_gb: float | None = None,
+                 **_ignored: Any):
         if _ignored:
             logger.debug("engine %s: ignoring options %s", name, sorted(_ignored))
         self.name = name
@@ -52,12 +53,22 @@ class VLLMEngine:
             from vllm import LLM
         except ImportError as e:
             raise EngineError(f"engine {name}: vLLM is not installed (pip install 'rlhf_orch[vllm]'): {e}") from e
+        extra: dict[str, Any] = {}
+        if kv_cache_memory_gb:
+            # A fixed KV size instead of a share of the GPU. Besides leaving room for a colocated trainer,
+            # it bounds the block count: reset_prefix_cache walks every block in Python (block_pool.py:784),
+            # ~140 ms per sync for a tiny model given half an H200 (millions of blocks).
+            extra["kv_cache_memory_bytes"] = int(kv_cache_memory_gb * 2**30)
+        if tensor_parallel_size > 1:
+            # Inside a Ray actor in a placement group vLLM would pick its Ray executor (config/parallel.py:915)
+            # and place workers itself; the actor already holds its TP GPUs, so workers are its subprocesses.
+            extra["distributed_executor_backend"] = "mp"
         try:
             self.llm = LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                            gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
                            enforce_eager=enforce_eager, seed=seed, max_model_len=max_model_len,
                            load_format=load_format, worker_extension_cls=EXTENSION,
-                           logprobs_mode="processed_logprobs")
+                           logprobs_mode="processed_logprobs", **extra)
         except Exception as e:
             raise EngineError(f"engine {name}: vLLM failed to start from {model_path!r}: {type(e).__name__}: {e}") from e
         logger.info("engine %s: vLLM up (tp=%d, dtype=%s, sleep_mode=%s)", name, tensor_parallel_size, dtype,

@@ -12,6 +12,7 @@ token-mean over the whole batch however samples are split.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Iterator
@@ -101,6 +102,7 @@ class DeepSpeedTrainer:
             raise TrainerError(f"trainer rank {rank}: DeepSpeed initialisation failed: {type(e).__name__}: {e}") from e
         self.ref_model = None
         self.steps = 0
+        self.offloaded = False
 
     # ---- forward ----------------------------------------------------------------------------------
     def _logprobs(self, module, batch: TrainBatch) -> torch.Tensor:
@@ -114,6 +116,7 @@ class DeepSpeedTrainer:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, T] logprobs of `batch` under the current policy (no grad), on CPU."""
+        self._need_states("logprobs")
         self.engine.module.eval()
         return self._logprobs(self.engine.module, batch).cpu()
 
@@ -142,6 +145,7 @@ class DeepSpeedTrainer:
     # ---- steps ------------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, num_tokens_global: float) -> dict[str, float]:
         """`ppo_epochs` optimizer steps on this rank's shard; returns flat `train/` metrics (this rank)."""
+        self._need_states("train_step")
         mask = batch.response_mask.to(self.device)
         adv = batch.advantages.to(self.device)
         ref = None
@@ -198,6 +202,7 @@ class DeepSpeedTrainer:
 
     def sft_step(self, batch: TrainBatch, num_tokens_global: float) -> dict[str, float]:
         """One supervised step (negative log-likelihood of the response tokens)."""
+        self._need_states("sft_step")
         mask = batch.response_mask.to(self.device)
         self.engine.module.train()
         lp = self._logprobs(self.engine.module, batch)
@@ -205,6 +210,46 @@ class DeepSpeedTrainer:
         self.engine.backward(loss)
         self.engine.step()
         return {"warm_start/loss": float(loss.detach())}   # averaged over ranks: the global token mean
+
+    # ---- colocation -------------------------------------------------------------------------------
+    def offload_states(self) -> dict[str, float]:
+        """Optimizer state, master weights, model partitions and gradients to CPU (see offload.py);
+        the reference model too. Returns `offload/` metrics; a no-op if already offloaded."""
+        from rlhf_orch.trainer import offload
+        if self.offloaded:
+            return {}
+        if self.ref_model is not None:
+            self.ref_model.to("cpu")
+        m = offload.offload(self.engine, self.zero_stage, self.device)
+        self.offloaded = True
+        return {f"offload/{k}": v for k, v in m.items()}
+
+    def reload_states(self) -> dict[str, float]:
+        from rlhf_orch.trainer import offload
+        if not self.offloaded:
+            return {}
+        m = offload.reload(self.engine, self.zero_stage, self.device)
+        if self.ref_model is not None:
+            self.ref_model.to(self.device)
+        self.offloaded = False
+        return {f"offload/{k}": v for k, v in m.items()}
+
+    @contextlib.contextmanager
+    def _states_loaded(self):
+        """Checkpoints may come while offloaded (a run failing mid-generate): reload for them, then put back."""
+        was = self.offloaded
+        if was:
+            self.reload_states()
+        try:
+            yield
+        finally:
+            if was:
+                self.offload_states()
+
+    def _need_states(self, what: str) -> None:
+        if self.offloaded:
+            raise TrainerError(f"trainer rank {self.rank}: {what} while the training state is offloaded; "
+                               "reload_states() first")
 
     # ---- weight sync ------------------------------------------------------------------------------
     def _named(self):
@@ -223,6 +268,7 @@ class DeepSpeedTrainer:
         """Full tensors in `named_parameters()` order. Under ZeRO-3 each of `groups` (consecutive names;
         the sync passes its bucket layout) is gathered together and stays valid until the first tensor of
         the next group is requested. Every rank must iterate to the end together: gathers are collectives."""
+        self._need_states("weight sync")
         named = self._named()
         if self.zero_stage != 3:
             for name, p in named:
@@ -254,6 +300,10 @@ class DeepSpeedTrainer:
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, directory: str, tag: str, client_state: dict | None = None) -> str:
+        with self._states_loaded():
+            return self._save_checkpoint(directory, tag, client_state)
+
+    def _save_checkpoint(self, directory: str, tag: str, client_state: dict | None) -> str:
         state = dict(client_state or {}, torch_rng=torch.get_rng_state(), train_steps=self.steps)
         self.engine.save_checkpoint(directory, tag=tag, client_state=state)
         return os.path.join(directory, tag)
@@ -271,6 +321,10 @@ class DeepSpeedTrainer:
 
     def export_hf(self, directory: str) -> None:
         """Rank 0 writes an HF folder (safetensors) of the current policy; ZeRO-3 gathers first."""
+        with self._states_loaded():
+            self._export_hf(directory)
+
+    def _export_hf(self, directory: str) -> None:
         if self.zero_stage == 3:
             state = {n: t.detach().cpu().clone() for n, t in self.iter_named_tensors(self._gather_groups(1 << 30))}
         else:

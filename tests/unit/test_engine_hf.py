@@ -39,3 +39,17 @@ def test_unknown_kind_and_lazy_registry():
             "bad = [m for m in ('vllm', 'sglang', 'deepspeed', 'ray') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_hf_engine_sleep_contract(tiny_model_dir):
+    from engine_contract import run_sleep_contract
+    engine = engine_class("hf")(name="e", model_path=tiny_model_dir, seed=0)
+    run_sleep_contract(engine, tiny_model_dir, build_tokenizer())
+
+
+def test_hf_engine_wakes_with_nan_weights_until_loaded(tiny_model_dir):
+    engine = engine_class("hf")(name="e", model_path=tiny_model_dir, seed=0)
+    engine.sleep(2)
+    assert all(p.numel() == 0 for p in engine.params.values())     # the memory is really released
+    engine.wake_up()
+    assert all(torch.isnan(p).all() for p in engine.params.values())  # a missed sync cannot pass for weights
