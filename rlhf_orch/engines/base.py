@@ -23,6 +23,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 16
     n: int = 1        # samples per prompt
+    ignore_eos: bool = False   # generate max_new_tokens whatever is sampled (benchmarks)
 
 
 @runtime_checkable

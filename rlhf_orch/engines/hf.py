@@ -96,7 +96,8 @@ class HFEngine:
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             tokens.append(tok)
             logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
-            done |= tok == self.eos_id
+            if not params.ignore_eos:
+                done |= tok == self.eos_id
             if bool(done.all()) or step + 1 == params.max_new_tokens:
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -108,7 +109,7 @@ class HFEngine:
         samples = []
         for row, (pi, p) in enumerate(items):
             resp, lp = toks[row], lps[row]
-            if self.eos_id in resp:
+            if self.eos_id in resp and not params.ignore_eos:
                 cut = resp.index(self.eos_id) + 1
                 resp, lp, reason = resp[:cut], lp[:cut], "stop"
             else:

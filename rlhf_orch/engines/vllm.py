@@ -112,7 +112,8 @@ class VLLMEngine:
         prompt_ids = [[int(t) for t in p] for p in prompts]
         try:
             sp = VSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                 max_tokens=params.max_new_tokens, logprobs=0, seed=None, detokenize=True)
+                                 max_tokens=params.max_new_tokens, logprobs=0, seed=None, detokenize=True,
+                                 ignore_eos=params.ignore_eos)
         except Exception as e:   # e.g. vLLM allows temperature in [0, 2] only
             raise EngineError(f"engine {self.name}: sampling parameters rejected by vLLM: {e}") from e
         with self._lock:

@@ -13,6 +13,7 @@ token-mean over the whole batch however samples are split.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from typing import Iterator
@@ -103,6 +104,9 @@ class DeepSpeedTrainer:
         self.ref_model = None
         self.steps = 0
         self.offloaded = False
+        # DeepSpeed's offload_states runs gc.collect(); over the ~10^6 objects torch, transformers and
+        # DeepSpeed leave after start-up that costs ~0.3-0.7 s per step. Frozen objects are skipped.
+        gc.freeze()
 
     # ---- forward ----------------------------------------------------------------------------------
     def _logprobs(self, module, batch: TrainBatch) -> torch.Tensor:

@@ -17,7 +17,6 @@ does not overlap the copies with other work.
 """
 from __future__ import annotations
 
-import gc
 import time
 
 import torch
@@ -57,7 +56,6 @@ def offload(engine, zero_stage: int, device: torch.device) -> dict[str, float]:
             setattr(opt, _OURS, True)
     else:
         engine.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=pin)
-    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     _sync(device)

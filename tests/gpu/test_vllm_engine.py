@@ -1,6 +1,7 @@
 """The vLLM engine on a GPU: the engine contract, then our weight sync into it over NCCL (trainer
 tensors on GPU 1, vLLM on GPU 0) and CUDA IPC (both on GPU 0), checked by checksum and by the engine's
-logprobs matching an independent forward of the new weights. Needs vLLM 0.26.0 (staged on the device).
+logprobs matching an independent forward of the new weights; and sleep/wake (colocation) with the
+weights refilled after level 2. Needs vLLM 0.26.0 (staged on the device).
 
     python -m pytest -q -m gpu tests/gpu/test_vllm_engine.py
 """
@@ -9,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from engine_contract import named_weights, reference_logprobs, run_contract
+from engine_contract import named_weights, reference_logprobs, run_contract, run_sleep_contract
 
 pytestmark = pytest.mark.gpu
 vllm = pytest.importorskip("vllm")
@@ -29,7 +30,8 @@ def dirs(tmp_path_factory):
 def engine(dirs):
     from rlhf_orch.engines.vllm import VLLMEngine
     e = VLLMEngine(name="v", model_path=dirs[0], dtype="bfloat16", gpu_memory_utilization=0.25,
-                   enforce_eager=True, enable_sleep_mode=False, max_model_len=64, seed=0)
+                   enforce_eager=True, enable_sleep_mode=True, max_model_len=64, seed=0,
+                   kv_cache_memory_gb=1)
     yield e
     getattr(e, "shutdown", lambda: None)()
 
@@ -38,6 +40,12 @@ def test_vllm_engine_contract(engine, dirs):
     from rlhf_orch.models import build_tokenizer
     assert engine.device_ids()[0].startswith("gpu-")
     run_contract(engine, dirs[0], dirs[1], build_tokenizer(), atol=0.05, dtype=torch.bfloat16)
+
+
+def test_vllm_engine_sleep_contract(engine, dirs):
+    """Sleep levels 2 and 1 through vLLM's CuMemAllocator, weights refilled by load_weights after level 2."""
+    from rlhf_orch.models import build_tokenizer
+    run_sleep_contract(engine, dirs[0], build_tokenizer(), atol=0.05, dtype=torch.bfloat16)
 
 
 def _check_logprobs(engine, model_dir, version):

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# On the lent GPU machine, after staging vLLM (../shared/device/README.md): the rollout and fan-out benchmarks.
+#   bash bench/run_gpu_benches.sh rollout [ARGS]  # bench/rollout.py on GPU 0 (any kind; ~4-6 min for the defaults)
+#   bash bench/run_gpu_benches.sh fanout [ARGS]   # bench/weight_sync_fanout.py (needs 4 GPUs: nvidia-h200-x4; ~3-4 min)
+#   bash bench/run_gpu_benches.sh all             # both, fan-out only when 4 GPUs are visible (may pass 10 min)
+# ARGS go to that benchmark (e.g. `fanout --models llama-3.2-1b`, `rollout --prompts 64 --repeats 1`).
+# Files in $OUT (kept few: at most 8 come back): gpus.txt, rollout.log, fanout.log, RESULTS_gpu.md (the tables).
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+  NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+  RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 GLOO_SOCKET_IFNAME=lo TORCH_EXTENSIONS_DIR=/tmp/torch_ext \
+  RLHF_ORCH_LOG_LEVEL=WARNING TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+what=${1:-all}; shift || true
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+ngpu=$(nvidia-smi -L | wc -l)
+python3 -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)" 2>&1 | tail -1
+status=0
+
+bench() {   # name, timeout, script, args...: full log to $OUT/name.log, table appended to RESULTS_gpu.md
+  local name=$1 limit=$2 script=$3; shift 3
+  echo "== $name: python3 $script $* (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout -k 20 "$limit" python3 "$script" --out "$OUT/RESULTS_gpu.md" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t0)) s"
+  if [ $rc -ne 0 ]; then
+    status=1
+    grep -E "Error|error|Traceback|failed|warning:" "$OUT/$name.log" | grep -v "DeprecationWarning" | tail -15
+    tail -25 "$OUT/$name.log"
+  fi
+}
+
+case "$what" in
+  rollout) bench rollout "${ROLLOUT_TIMEOUT:-560}" bench/rollout.py "$@" ;;
+  fanout)
+    if [ "$ngpu" -lt 4 ]; then echo "fanout needs 4 GPUs, this machine has $ngpu"; exit 2; fi
+    bench fanout "${FANOUT_TIMEOUT:-560}" bench/weight_sync_fanout.py "$@" ;;
+  all)
+    bench rollout "${ROLLOUT_TIMEOUT:-330}" bench/rollout.py
+    if [ "$ngpu" -ge 4 ]; then bench fanout "${FANOUT_TIMEOUT:-240}" bench/weight_sync_fanout.py
+    else echo "== fanout skipped: $ngpu GPUs (needs 4)"; fi ;;
+  *) echo "usage: $0 rollout|fanout|all [ARGS]"; exit 2 ;;
+esac
+echo
+echo "================ tables ($OUT/RESULTS_gpu.md) ================"
+cat "$OUT/RESULTS_gpu.md" 2>/dev/null || echo "(no table written)"
+exit $status

@@ -1,0 +1,501 @@
+"""The SGLang 0.5.17 rollout engine: an in-process `sglang.Engine` behind the RolloutEngine Protocol.
+
+Why in-process `sglang.Engine` and not an HTTP server the actor owns: the Engine already runs the
+scheduler (one process per TP rank) and detokenizer as children of the actor, and exposes every call we
+need (generate from token ids, init_weights_update_group, update_weights_from_distributed/_tensor,
+release/resume_memory_occupation, flush_cache) as blocking methods; a server would add an HTTP hop,
+JSON/base64 round trips for every IPC payload and a port to guard, and nothing we use.
+
+Generation is one `Engine.generate(input_ids=..., return_logprob=True)` call; each prompt is repeated
+`n` times (n=1 per request) so outputs come back in request order. The sampled token's logprob is
+`log(softmax(logits / T))` unless SGLANG_RETURN_ORIGINAL_LOGPROB is set (srt/layers/sampler.py:186-223),
+i.e. exactly the trainer's log_softmax(logits / T) for top_p=1 (top-p/top-k are applied to a copy used
+for sampling only); greedy (T=0) returns log_softmax(logits). We refuse to start with that variable set.
+
+Weight sync goes through SGLang's own APIs (docs/sglang_api_notes.md):
+- broadcast: `init_weights_update_group` joins our group (rank = rank_offset + TP rank), then one
+  `update_weights_from_distributed(load_format="flattened_bucket")` call per bucket. SGLang packs its
+  receive buffer tightly in request order (weight_sync/tensor_bucket.py:57-75); our buckets have 256-byte
+  aligned slots, so each request lists uint8 padding entries for the gaps and the buffer is byte-identical
+  to ours. The trainer end must be built like SGLang's (`SGLangTrainerGroup`, below).
+- ipc: one `update_weights_from_tensor(load_format="flattened_bucket")` call per bucket whose payload names
+  our CUDA IPC buffer through SGLang's uuid-aware rebuild function (only modules on SGLang's unpickling
+  allow-list appear in it), with metadata giving our slot offsets. The actor process never touches CUDA.
+- Verification: at setup we register `rlhf_sglang_hook` as a `custom_weight_loader` and call it once per
+  TP scheduler; it wraps the model's `load_weights`, which every update path calls with the received
+  tensors (views into the flat bucket). The wrapper drops our padding/warm-up entries, loads, checksums
+  what it received (mode "received", as vLLM: fused qkv/gate_up parameters have no per-HF-tensor twin) and
+  writes {seq, checksums, timings, GPU uuid} to a per-rank JSON file the engine reads. Not covered: a name
+  SGLang's loader silently skips (its Llama loader ignores unknown names, unlike vLLM's).
+
+It does not support data parallelism, pipeline parallelism, speculative decoding or quantized models, and
+does not save its sampling RNG (resume is not bit-exact).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from functools import partial
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from rlhf_orch.distributed import tcp_store
+from rlhf_orch.engines.base import SamplingParams
+from rlhf_orch.errors import EngineError
+from rlhf_orch.types import Sample
+from rlhf_orch.weight_sync.buckets import BucketLayout, checksums
+from rlhf_orch.weight_sync.collective import BroadcastGroup
+
+logger = logging.getLogger(__name__)
+
+GROUP_NAME = "rlhf_orch_sync"
+HOOK = "rlhf_orch.engines.sglang.rlhf_sglang_hook"     # our custom_weight_loader (runs in the schedulers)
+_RESERVED = "rlhf_orch."                                # names with this prefix never reach the model
+_INSTALL = "rlhf_orch.install:"
+_PAD = "rlhf_orch.pad."
+_WARMUP = "rlhf_orch.warmup"
+_TAGS = ("weights", "kv_cache")
+
+
+# ---- inside every SGLang scheduler process ----------------------------------------------------------
+def rlhf_sglang_hook(model, named_tensors) -> None:
+    """custom_weight_loader entry (weight_updater.py:346-348): installs the recording load_weights wrapper.
+
+    Called with one tensor named "rlhf_orch.install:<json config>"; anything else is refused."""
+    from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank
+    for name, _ in named_tensors:
+        if not name.startswith(_INSTALL):
+            raise RuntimeError(f"{HOOK} only installs rlhf_orch's weight-load wrapper; got tensor {name!r}")
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        install(model, json.loads(name[len(_INSTALL):]), get_tensor_model_parallel_rank(), uuid)
+
+
+def install(model, cfg: dict, rank: int, uuid: str) -> None:
+    """Shadow `model.load_weights` with `_load_and_record` (re-installing keeps the original method)."""
+    old = getattr(model, "_rlhf_state", None)
+    orig = old["orig"] if old else model.load_weights
+    state = {"orig": orig, "dir": cfg["dir"], "verify": bool(cfg["verify"]), "seq": 0, "rank": rank, "uuid": uuid}
+    object.__setattr__(model, "_rlhf_state", state)
+    object.__setattr__(model, "load_weights", partial(_load_and_record, state))
+    _report(state, {"sums": [], "load_s": 0.0, "verify_s": 0.0})
+
+
+def _load_and_record(state: dict, weights):
+    t0 = time.perf_counter()
+    named, warm = [], None
+    for name, t in weights:
+        if name.startswith(_RESERVED):
+            if name == _WARMUP:
+                warm = t
+            continue
+        named.append((name, t))
+    result = state["orig"](named) if named else None
+    t1 = time.perf_counter()
+    sums: list[int] = []
+    if state["verify"] and named:
+        sums = checksums(t for _, t in named)       # its host read also waits for the load's copies
+    elif any(t.is_cuda for _, t in named):
+        torch.cuda.synchronize()                    # an IPC sender refills the buffer once we return
+    rec = {"sums": sums, "load_s": t1 - t0, "verify_s": time.perf_counter() - t1}
+    if warm is not None:
+        rec["warmup_ok"] = bool((warm == 1).all())
+    state["seq"] += 1
+    _report(state, rec)
+    return result
+
+
+def _report(state: dict, rec: dict) -> None:
+    rec.update(seq=state["seq"], rank=state["rank"], uuid=state["uuid"])
+    path = os.path.join(state["dir"], f"tp{state['rank']}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(rec, f)
+    os.replace(path + ".tmp", path)
+
+
+# ---- trainer side ------------------------------------------------------------------------------------
+class SGLangTrainerGroup(BroadcastGroup):
+    """Rank 0 (the sender) of a group that SGLang's `init_weights_update_group` joins.
+
+    SGLang builds its end with `init_custom_process_group` (utils/common.py:2493-2561): a TCPStore client at
+    tcp://host:port, `PrefixStore(group_name)`, then torch's `_new_process_group_helper`, which nests
+    `PrefixStore(f"{group_name}/")` and `PrefixStore("cuda/")` before `ProcessGroupNCCL` (torch 2.11-2.13
+    distributed_c10d.py). NCCL finds its unique id under that key chain, so the sender must use the same
+    chain; our `BroadcastGroup` uses a single prefix. Same methods as BroadcastGroup otherwise; the
+    warm-up broadcasts uint8, the dtype of SGLang's flat receive buffer.
+    """
+
+    def __init__(self, host: str, port: int, world_size: int, timeout_s: float = 300.0,
+                 device: torch.device | None = None, group_name: str = GROUP_NAME):
+        if world_size < 2:
+            raise ValueError("a broadcast group needs the sender and at least one receiver")
+        self.backend, self.rank, self.world_size = "nccl", 0, world_size
+        self.device = device or torch.device("cuda", torch.cuda.current_device())
+        timeout = timedelta(seconds=timeout_s)
+        store = tcp_store(host, port, world_size, True, timeout)
+        self._store = dist.PrefixStore("cuda/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = timeout
+        torch.cuda.set_device(self.device)
+        self.pg = dist.ProcessGroupNCCL(self._store, 0, world_size, opts)
+
+    def warmup(self) -> float:
+        self.broadcast(torch.ones(8, dtype=torch.uint8, device=self.device))
+        torch.cuda.synchronize(self.device)
+        return 1.0
+
+
+def bucket_request(layout: BucketLayout) -> tuple[list[str], list[str], list[list[int]]]:
+    """names/dtypes/shapes whose tight packing (SGLang's) reproduces `layout` byte for byte (gaps -> uint8 pads)."""
+    names, dtypes, shapes, pos = [], [], [], 0
+    for s in layout.slots:
+        if s.offset > pos:
+            names.append(f"{_PAD}{len(names)}")
+            dtypes.append("uint8")
+            shapes.append([s.offset - pos])
+        names.append(s.name)
+        dtypes.append(s.dtype)
+        shapes.append(list(s.shape))
+        pos = s.offset + s.nbytes
+    if pos != layout.nbytes:
+        raise ValueError(f"bucket {layout.index}: slots end at {pos}, layout says {layout.nbytes} bytes")
+    return names, dtypes, shapes
+
+
+class _Reduce:
+    """Pickles as `fn(*args)`: lets us write SGLang's own IPC rebuild call without opening the handle here."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+# ---- the engine (in the rollout actor) ---------------------------------------------------------------
+class SGLangEngine:
+    checksums_mode = "received"   # checksums describe received tensors (see the module doc)
+
+    def __init__(self, name: str, model_path: str, device: str = "cuda", device_id: str = "",
+                 dtype: str = "bfloat16", seed: int = 0, mem_fraction_static: float = 0.5,
+                 tensor_parallel_size: int = 1, disable_cuda_graph: bool = False, enable_memory_saver: bool = False,
+                 enable_weights_cpu_backup: bool = False, context_length: int | None = None,
+                 load_format: str = "auto", report_timeout_s: float = 60.0, **_ignored: Any):
+        if _ignored:
+            logger.debug("engine %s: ignoring options %s", name, sorted(_ignored))
+        self.name = name
+        self.weight_version = -1
+        self.tensor_parallel_size = tensor_parallel_size
+        self.disable_cuda_graph = disable_cuda_graph
+        self.enable_memory_saver = enable_memory_saver
+        self.enable_weights_cpu_backup = enable_weights_cpu_backup
+        self.report_timeout_s = report_timeout_s
+        self._placement_id = device_id
+        self._paused = False
+        self._asleep: set[str] = set()
+        self._released: list[str] = []
+        self._stale = False               # weights dropped by sleep(2): a sync must come before generate
+        self._lock = threading.Lock()
+        self._layouts: list[BucketLayout] = []
+        self._requests: list[tuple] = []
+        self._meta: dict[int, list] = {}
+        self._group = False
+        self._verify = True
+        self._loads = 0                   # load_weights calls since the hook was (re)installed
+        self._sums: dict[str, int] = {}
+        self._ids: list[str] = []
+        if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").strip().lower() in ("1", "true", "yes", "on"):
+            raise EngineError(f"engine {name}: SGLANG_RETURN_ORIGINAL_LOGPROB is set, so SGLang would return logprobs "
+                              "before temperature; unset it (the trainer compares log_softmax(logits / T))")
+        try:
+            import sglang
+        except ImportError as e:
+            raise EngineError(f"engine {name}: SGLang is not installed (pip install 'rlhf_orch[sglang]' or set the "
+                              f"engine's python_path): {e}") from e
+        self._dir = tempfile.mkdtemp(prefix=f"rlhf_orch_sglang_{name}_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        try:
+            self.engine = sglang.Engine(
+                model_path=model_path, tp_size=tensor_parallel_size, dtype=dtype, mem_fraction_static=mem_fraction_static,
+                random_seed=seed, disable_cuda_graph=disable_cuda_graph, enable_memory_saver=enable_memory_saver,
+                enable_weights_cpu_backup=enable_weights_cpu_backup, context_length=context_length,
+                load_format=load_format, custom_weight_loader=[HOOK])
+        except Exception as e:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise EngineError(f"engine {name}: SGLang failed to start from {model_path!r}: {type(e).__name__}: {e}") from e
+        self._install(True)
+        self._ids = ["gpu-" + r["uuid"] for r in self._reports(0)]
+        logger.info("engine %s: SGLang up (tp=%d, dtype=%s, memory_saver=%s) on %s", name, tensor_parallel_size, dtype,
+                    enable_memory_saver, self._ids)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            out = fn(*args, **kwargs)
+        except Exception as e:
+            raise EngineError(f"engine {self.name}: {what} failed: {type(e).__name__}: {e}") from e
+        if isinstance(out, tuple) and len(out) == 2 and out[0] is False:
+            raise EngineError(f"engine {self.name}: {what} failed in SGLang: {out[1]}")
+        return out
+
+    def _install(self, verify: bool) -> None:
+        """(Re)install the load wrapper in every TP scheduler through our custom_weight_loader."""
+        cfg = json.dumps({"dir": self._dir, "verify": bool(verify)})
+        self._call("installing the weight-load hook", self.engine.update_weights_from_tensor,
+                   [(_INSTALL + cfg, torch.zeros(1))], load_format=HOOK, flush_cache=False)
+        self._verify, self._loads = bool(verify), 0
+
+    def _reports(self, seq: int) -> list[dict]:
+        """Every TP rank's report of load number `seq` (update_weights_from_distributed answers before
+        ranks > 0 finish loading, so wait for them)."""
+        out, deadline = [], time.monotonic() + self.report_timeout_s
+        for rank in range(self.tensor_parallel_size):
+            path = os.path.join(self._dir, f"tp{rank}.json")
+            while True:
+                try:
+                    with open(path) as f:
+                        rec = json.load(f)
+                    if rec["seq"] >= seq:
+                        break
+                except (FileNotFoundError, json.JSONDecodeError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise EngineError(f"engine {self.name}: TP rank {rank} reported no weight load #{seq} within "
+                                      f"{self.report_timeout_s:.0f} s (is {HOOK} importable in the scheduler?)")
+                time.sleep(0.0005)
+            if rec["seq"] != seq:
+                raise EngineError(f"engine {self.name}: TP rank {rank} reports load #{rec['seq']}, expected #{seq}")
+            out.append(rec)
+        return out
+
+    def _after_load(self, names: list[str], verify: bool) -> tuple[list[int], list[dict]]:
+        self._loads += 1
+        recs = self._reports(self._loads)
+        if not (verify and self._verify):
+            return [], recs
+        sums = recs[0]["sums"]
+        for r in recs[1:]:
+            if r["sums"] != sums:
+                raise EngineError(f"engine {self.name}: TP rank {r['rank']} received different bytes than rank 0")
+        if len(sums) != len(names):
+            raise EngineError(f"engine {self.name}: {len(sums)} checksums for {len(names)} tensors")
+        self._sums.update(zip(names, sums))
+        return sums, recs
+
+    def _need_weights_awake(self, what: str) -> None:
+        if "weights" in self._asleep:
+            raise EngineError(f"engine {self.name}: {what} while the weights are asleep; call wake_up(['weights']) first")
+
+    def device_ids(self) -> list[str]:
+        """GPU UUID of every TP scheduler, as each scheduler reported it (rank order)."""
+        return list(self._ids)
+
+    # ---- generation -------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+        if self._paused:
+            raise EngineError(f"engine {self.name}: generate called while paused for a weight sync")
+        if self._asleep:
+            raise EngineError(f"engine {self.name}: generate called while asleep ({sorted(self._asleep)}); call wake_up() first")
+        if self._stale:
+            raise EngineError(f"engine {self.name}: weights were dropped by sleep(level=2); sync new weights first")
+        if not prompts:
+            return []
+        prompt_ids = [[int(t) for t in p] for p in prompts]
+        flat = [p for p in prompt_ids for _ in range(params.n)]
+        sp = {"temperature": params.temperature, "top_p": params.top_p, "max_new_tokens": params.max_new_tokens, "n": 1}
+        with self._lock:
+            outs = self._call("generate", self.engine.generate, input_ids=flat, sampling_params=sp, return_logprob=True)
+        outs = [outs] if isinstance(outs, dict) else list(outs)
+        if len(outs) != len(flat):
+            raise EngineError(f"engine {self.name}: SGLang returned {len(outs)} outputs for {len(flat)} requests")
+        return [self._sample(i // params.n, flat[i], out) for i, out in enumerate(outs)]
+
+    def _sample(self, prompt_index: int, prompt: list[int], out: dict) -> Sample:
+        meta = out["meta_info"]
+        reason = (meta.get("finish_reason") or {}).get("type")
+        if reason not in ("stop", "length"):
+            raise EngineError(f"engine {self.name}: a request finished with {meta.get('finish_reason')!r}")
+        resp = [int(t) for t in out["output_ids"]]
+        # (logprob, token_id, text) per generated token (tokenizer_manager.py:2499-2510)
+        lp = meta.get("output_token_logprobs") or []
+        if len(lp) != len(resp) or any(int(t) != r for (_, t, *_), r in zip(lp, resp)):
+            raise EngineError(f"engine {self.name}: SGLang's output_token_logprobs do not match the output tokens")
+        return Sample(prompt_index=prompt_index, prompt_ids=prompt, response_ids=resp, logprobs=[float(v) for v, *_ in lp],
+                      finish_reason=reason, weight_version=self.weight_version, engine=self.name, text=out.get("text") or "")
+
+    # ---- weight sync (the actor shell forwards these) --------------------------------------------------
+    def setup_receiver(self, layouts, group: dict | None, rank_offset: int, verify: bool, timeout_s: float) -> float:
+        """Install the hook; with `group`, join it (TP rank k as rank_offset + k) and warm it up. Returns seconds."""
+        self._need_weights_awake("setup_receiver")
+        t0 = time.perf_counter()
+        self.report_timeout_s = max(self.report_timeout_s, float(timeout_s))
+        self._layouts = list(layouts)
+        self._requests = [bucket_request(lay) for lay in self._layouts]
+        self._meta = {}
+        self.close()
+        self._install(verify)
+        if group is not None:
+            if group["backend"] != "nccl":
+                raise EngineError(f"engine {self.name}: SGLang receives weights over nccl only, not {group['backend']!r}")
+            self._call("init_weights_update_group", self.engine.init_weights_update_group, master_address=group["host"],
+                       master_port=int(group["port"]), rank_offset=int(rank_offset), world_size=int(group["world_size"]),
+                       group_name=GROUP_NAME, backend="nccl")
+            self._group = True
+            # First collective on a fresh communicator pays NCCL setup: do it now, through SGLang's own path.
+            self._call("warm-up broadcast", self.engine.update_weights_from_distributed, names=[_WARMUP],
+                       dtypes=["uint8"], shapes=[[8]], group_name=GROUP_NAME, flush_cache=False, load_format="flattened_bucket")
+            _, recs = self._after_load([], False)
+            if not all(r.get("warmup_ok") for r in recs):
+                raise EngineError(f"engine {self.name}: the warm-up broadcast delivered wrong bytes")
+            logger.info("engine %s: joined the weight-sync group as ranks %d..%d of %d", self.name, rank_offset,
+                        rank_offset + self.tensor_parallel_size - 1, group["world_size"])
+        return time.perf_counter() - t0
+
+    def receive_broadcast(self, verify: bool = True) -> tuple[list[int], dict[str, float]]:
+        """One update_weights_from_distributed call per bucket; returns (checksums, seconds per phase)."""
+        self._need_weights_awake("receive_broadcast")
+        if not self._group:
+            raise EngineError(f"engine {self.name}: receive_broadcast before setup_receiver with a group")
+        if verify and not self._verify:
+            self._install(True)
+        t0 = time.perf_counter()
+        sums: list[int] = []
+        m = {"call_s": 0.0, "load_s": 0.0, "verify_s": 0.0, "report_s": 0.0}
+        for layout, (names, dtypes, shapes) in zip(self._layouts, self._requests):
+            t1 = time.perf_counter()
+            self._call(f"update_weights_from_distributed (bucket {layout.index})", self.engine.update_weights_from_distributed,
+                       names=names, dtypes=dtypes, shapes=shapes, group_name=GROUP_NAME, flush_cache=False,
+                       load_format="flattened_bucket")
+            t2 = time.perf_counter()
+            got, recs = self._after_load(layout.names, verify)
+            sums.extend(got)
+            m["call_s"] += t2 - t1
+            m["report_s"] += time.perf_counter() - t2
+            m["load_s"] += max(r["load_s"] for r in recs)
+            m["verify_s"] += max(r["verify_s"] for r in recs)
+        m["transfer_s"] = max(0.0, m["call_s"] - m["load_s"] - m["verify_s"])   # SGLang's alloc + broadcast
+        m["total_s"] = time.perf_counter() - t0
+        return sums, m
+
+    def _ipc_payload(self, handle, layout: BucketLayout) -> bytes:
+        """SGLang's flattened-bucket payload for our buffer: rebuilt in the scheduler by device uuid."""
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import _rebuild_cuda_tensor_modified
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+        from rlhf_orch.types import dtype_from_name
+
+        if handle.device != "cuda" or not handle.device_uuid:
+            raise EngineError(f"engine {self.name}: SGLang takes CUDA IPC handles only (got a {handle.device!r} handle)")
+        meta = self._meta.get(layout.index)
+        if meta is None:
+            meta = [FlattenedTensorMetadata(name=s.name, shape=torch.Size(s.shape), dtype=dtype_from_name(s.dtype),
+                                            start_idx=s.offset, end_idx=s.offset + s.nbytes, numel=s.nbytes)
+                    for s in layout.slots]
+            self._meta[layout.index] = meta
+        _, args = pickle.loads(handle.payload)            # torch reduce_tensor's args (ipc.export_handle)
+        args = list(args)
+        args[6] = handle.device_uuid                      # SGLang's rebuild maps the uuid to its own index
+        ref = _Reduce(_rebuild_cuda_tensor_modified, tuple(args))
+        return MultiprocessingSerializer.serialize({"flattened_tensor": ref, "metadata": meta})
+
+    def receive_ipc(self, handle, bucket_index: int, verify: bool = True) -> list[int]:
+        """Load bucket `bucket_index` from the trainer's CUDA IPC buffer with one update_weights_from_tensor call."""
+        self._need_weights_awake("receive_ipc")
+        if verify and not self._verify:
+            self._install(True)
+        layout = self._layouts[bucket_index]
+        payload = self._ipc_payload(handle, layout)
+        self._call(f"update_weights_from_tensor (bucket {bucket_index})", self.engine.update_weights_from_tensor,
+                   [payload] * self.tensor_parallel_size, load_format="flattened_bucket", flush_cache=False)
+        return self._after_load(layout.names, verify)[0]
+
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Load (hf_name, tensor) pairs with one update_weights_from_tensor call (tests, small models)."""
+        self._need_weights_awake("load_weights")
+        named = [(n, t.detach().cpu().contiguous()) for n, t in named]
+        self._call("update_weights_from_tensor", self.engine.update_weights_from_tensor, named, flush_cache=False)
+        self._after_load([n for n, _ in named], True)
+
+    def checksums(self, names: list[str]) -> list[int]:
+        """Checksums of the most recently received tensors of `names` (mode "received")."""
+        missing = [n for n in names if n not in self._sums]
+        if missing:
+            raise EngineError(f"engine {self.name}: no received checksum for {missing[:5]} (sync with verify=True first)")
+        return [self._sums[n] for n in names]
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def pause(self) -> None:
+        with self._lock:   # waits for an in-flight generate to finish
+            self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def finish_sync(self, version: int) -> None:
+        """New weights are loaded: drop the radix (prefix) cache computed with the old ones, record `version`."""
+        out = self._call("flush_cache", self.engine.flush_cache)
+        if not getattr(out, "success", False):
+            raise EngineError(f"engine {self.name}: SGLang could not flush its cache (requests still running?): "
+                              f"{getattr(out, 'message', out)}")
+        self.weight_version = version
+        self._stale = False
+
+    def sleep(self, level: int = 1) -> None:
+        """Release GPU memory: KV cache and weights (level 1 keeps a CPU copy of the weights, level 2 drops them)."""
+        if not self.enable_memory_saver:
+            raise EngineError(f"engine {self.name}: sleep needs enable_memory_saver: true")
+        if level not in (1, 2):
+            raise EngineError(f"engine {self.name}: sleep level must be 1 or 2, got {level}")
+        if level == 1 and not self.enable_weights_cpu_backup:
+            raise EngineError(f"engine {self.name}: sleep(level=1) keeps weights in CPU memory, which needs "
+                              "enable_weights_cpu_backup: true; use level 2 or enable it")
+        tags = [t for t in ("kv_cache", "weights", "cuda_graph") if t != "cuda_graph" or not self.disable_cuda_graph]
+        tags = [t for t in tags if t not in self._released]
+        with self._lock:
+            if tags:
+                self._call("release_memory_occupation", self.engine.release_memory_occupation, tags=tags)
+            self._released += tags
+            self._asleep = set(_TAGS)
+            self._stale = self._stale or level == 2
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate `tags` (["weights"], then ["kv_cache"]; None: both). After level 2, sync before generating."""
+        tags = list(_TAGS) if tags is None else list(tags)
+        bad = [t for t in tags if t not in _TAGS]
+        if bad:
+            raise EngineError(f"engine {self.name}: unknown wake_up tags {bad}; use {list(_TAGS)}")
+        want = [t for t in tags if t in self._asleep]
+        sg = [t for t in self._released if t in want or (t == "cuda_graph" and "weights" in want)]
+        if sg:
+            self._call("resume_memory_occupation", self.engine.resume_memory_occupation, tags=sg)
+            self._released = [t for t in self._released if t not in sg]
+        self._asleep -= set(want)
+
+    def is_asleep(self) -> bool:
+        return bool(self._asleep)
+
+    def close(self) -> None:
+        """Leave the weight-sync group (the receiver side of a shutdown; SGLang keeps running)."""
+        if self._group:
+            self._group = False
+            try:
+                self._call("destroy_weights_update_group", self.engine.destroy_weights_update_group, group_name=GROUP_NAME)
+            except EngineError:
+                logger.warning("engine %s: leaving the weight-sync group failed", self.name, exc_info=True)
+
+    def shutdown(self) -> None:
+        """Stop SGLang's scheduler and detokenizer processes and remove the report folder."""
+        self.close()
+        try:
+            self.engine.shutdown()
+        except Exception:
+            logger.warning("engine %s: SGLang shutdown failed", self.name, exc_info=True)
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,108 @@
+"""The SGLang engine on a GPU: the engine contract, then our weight sync into it through SGLang's own APIs,
+over NCCL (trainer tensors on GPU 1, SGLang on GPU 0; `update_weights_from_distributed`, flattened buckets)
+and CUDA IPC (both on GPU 0; `update_weights_from_tensor`, flattened buckets), checked by checksum and by the
+engine's logprobs matching an independent forward of the new weights. Needs SGLang 0.5.17 (its own folder):
+
+    PYTHONPATH=/tmp/site-sglang:$PWD:$PWD/tests NCCL_NVLS_ENABLE=0 python -m pytest -q -m gpu tests/gpu/test_sglang_engine.py
+"""
+import threading
+
+import pytest
+import torch
+
+from engine_contract import named_weights, reference_logprobs, run_contract
+
+pytestmark = pytest.mark.gpu
+sglang = pytest.importorskip("sglang")
+
+SPEC = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    from rlhf_orch.models import TinyModelSpec, ensure_model_dir
+    root = tmp_path_factory.mktemp("sglang_models")
+    return (str(ensure_model_dir("tiny-llama", TinyModelSpec(**SPEC), root / "a", seed=0)),
+            str(ensure_model_dir("tiny-llama", TinyModelSpec(**SPEC), root / "b", seed=1)))
+
+
+@pytest.fixture(scope="module")
+def engine(dirs):
+    from rlhf_orch.engines.sglang import SGLangEngine
+    e = SGLangEngine(name="s", model_path=dirs[0], dtype="bfloat16", mem_fraction_static=0.25,
+                     disable_cuda_graph=True, context_length=64, seed=0)
+    yield e
+    e.shutdown()
+
+
+def test_sglang_engine_contract(engine, dirs):
+    from rlhf_orch.models import build_tokenizer
+    assert engine.device_ids()[0] == "gpu-" + str(torch.cuda.get_device_properties(0).uuid)
+    run_contract(engine, dirs[0], dirs[1], build_tokenizer(), atol=0.05, dtype=torch.bfloat16)
+
+
+def _check_logprobs(engine, model_dir, version):
+    from rlhf_orch.engines.base import SamplingParams
+    from rlhf_orch.models import build_tokenizer
+    p = build_tokenizer()("2+3=", add_special_tokens=False).input_ids
+    s = engine.generate([p], SamplingParams(temperature=1.0, max_new_tokens=4, n=1))[0]
+    assert s.weight_version == version
+    ref = reference_logprobs(model_dir, s.prompt_ids, s.response_ids, 1.0)
+    assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(ref), atol=0.05), (s.logprobs, ref)
+
+
+@pytest.mark.parametrize("placement", ["nccl", "ipc"])
+def test_sync_into_sglang(engine, dirs, placement):
+    from rlhf_orch.engines.sglang import SGLangTrainerGroup
+    from rlhf_orch.types import ParamSpec, dtype_name
+    from rlhf_orch.weight_sync import WeightSender, plan_buckets
+    from rlhf_orch.weight_sync.collective import free_port
+    if placement == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    target = dirs[1] if placement == "nccl" else dirs[0]     # each test moves the engine to other weights
+    dev = torch.device("cuda", 1 if placement == "nccl" else 0)
+    weights = [(n, t.to(dev)) for n, t in named_weights(target, torch.bfloat16)]
+    layouts = plan_buckets([ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in weights], 64 * 1024)
+    assert len(layouts) >= 3
+    engine.pause()
+    if placement == "nccl":
+        port, box = free_port("127.0.0.1"), {}
+
+        def trainer_side():
+            try:
+                g = SGLangTrainerGroup("127.0.0.1", port, 2, 120, dev)
+                g.warmup()                     # meets the engine's warm-up call inside setup_receiver
+                box["sender"] = WeightSender(layouts, dev, [], g)
+            except Exception as e:             # surfaced by the assert below, not lost in the thread
+                box["error"] = e
+        t = threading.Thread(target=trainer_side)
+        t.start()
+        secs = engine.setup_receiver(layouts, {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 2},
+                                     1, True, 120)
+        t.join(120)
+        assert "sender" in box, box.get("error")
+        assert secs > 0
+        res = {}
+        t = threading.Thread(target=lambda: res.update(r=box["sender"].send(iter(weights), 2)))
+        t.start()
+        got, metrics = engine.receive_broadcast(True)
+        t.join(120)
+        sent = res["r"]
+        assert got == sent.checksums
+        assert {"load_s", "total_s", "transfer_s"} <= set(metrics)
+        # A second sync over the same (warm) group: the path every later training step takes.
+        t = threading.Thread(target=lambda: res.update(r=box["sender"].send(iter(weights), 2)))
+        t.start()
+        got, _ = engine.receive_broadcast(True)
+        t.join(120)
+        assert got == res["r"].checksums
+    else:
+        engine.setup_receiver(layouts, None, 0, True, 120)
+        sender = WeightSender(layouts, dev, ["s"])
+        sent = sender.send(iter(weights), 3, deliver=lambda e, h, i, v: engine.receive_ipc(h, i, True), wait=lambda x: x)
+        assert sent.engine_checksums["s"] == sent.checksums
+    assert engine.checksums([n for n, _ in weights]) == sent.checksums
+    version = 2 if placement == "nccl" else 3
+    engine.finish_sync(version)
+    engine.resume()
+    _check_logprobs(engine, target, version)
