@@ -98,6 +98,8 @@ class Cluster:
                                                        "python_path"}))
                 if ecfg.kind == "hf":
                     kwargs.pop("tensor_parallel_size")
+                if ecfg.kind == "sglang":   # SGLang must know at start whether it will release memory
+                    kwargs.update(enable_memory_saver=ecfg.sleep_level > 0, enable_weights_cpu_backup=ecfg.sleep_level == 1)
                 opts = self.placement.options(bundle, f"{name}-engine-{ename}", engine_env(env, ecfg))
                 self.engines[ename] = RolloutActor.options(**opts).remote(ename, ecfg.kind, device, self.placement.device_id(bundle), kwargs)
                 self.sampling[ename] = ecfg.sampling

@@ -95,9 +95,13 @@ class RolloutActor:
         return devices_used_gb(self.engine.device_ids())
 
     def shutdown(self) -> None:
+        """Leave the weight-sync group, then stop the engine's own processes (vLLM/SGLang workers)."""
         close = getattr(self.receiver, "close", None)
-        if callable(close):
+        if callable(close) and self.receiver is not self.engine:
             close()
+        stop = getattr(self.engine, "shutdown", None)
+        if callable(stop):
+            stop()
 
 
 def sampling_params(cfg_sampling, n: int) -> SamplingParams:

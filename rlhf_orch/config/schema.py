@@ -116,7 +116,10 @@ class VLLMEngineConfig(_EngineBase):
 class SGLangEngineConfig(_EngineBase):
     kind: Literal["sglang"] = Field(description="SGLang engine (needs the 'sglang' extra and CUDA).")
     mem_fraction_static: float = Field(0.5, gt=0, le=1, description="Fraction of each GPU SGLang may use.")
-    python_path: str | None = Field(None, description="Extra PYTHONPATH for SGLang actors (its own environment).")
+    python_path: str | None = Field(None, description="Folder(s) put first on the SGLang actor's PYTHONPATH: SGLang's own "
+                                    "environment (its exact pins clash with vLLM's), e.g. /tmp/site-sglang.")
+    disable_cuda_graph: bool = Field(False, description="Skip CUDA graphs (faster start, slower decode).")
+    context_length: int | None = Field(None, ge=1, description="Longest prompt + response SGLang schedules (default: the model's).")
 
 
 EngineConfig = Annotated[Union[HFEngineConfig, VLLMEngineConfig, SGLangEngineConfig], Field(discriminator="kind")]

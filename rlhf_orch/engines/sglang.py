@@ -8,16 +8,16 @@ JSON/base64 round trips for every IPC payload and a port to guard, and nothing w
 
 Generation is one `Engine.generate(input_ids=..., return_logprob=True)` call; each prompt is repeated
 `n` times (n=1 per request) so outputs come back in request order. The sampled token's logprob is
-`log(softmax(logits / T))` unless SGLANG_RETURN_ORIGINAL_LOGPROB is set (srt/layers/sampler.py:186-223),
-i.e. exactly the trainer's log_softmax(logits / T) for top_p=1 (top-p/top-k are applied to a copy used
-for sampling only); greedy (T=0) returns log_softmax(logits). We refuse to start with that variable set.
+`log(softmax(logits / T))` over the full vocabulary unless SGLANG_RETURN_ORIGINAL_LOGPROB is set
+(srt/layers/sampler.py:189-227): the trainer's log_softmax(logits / T); top-p/top-k only shape the sampling,
+not the returned logprob. Greedy (T=0) returns log_softmax(logits). We refuse to start with that variable set.
 
 Weight sync goes through SGLang's own APIs (docs/sglang_api_notes.md):
 - broadcast: `init_weights_update_group` joins our group (rank = rank_offset + TP rank), then one
   `update_weights_from_distributed(load_format="flattened_bucket")` call per bucket. SGLang packs its
-  receive buffer tightly in request order (weight_sync/tensor_bucket.py:57-75); our buckets have 256-byte
+  receive buffer tightly in request order (weight_sync/tensor_bucket.py:50-72); our buckets have 256-byte
   aligned slots, so each request lists uint8 padding entries for the gaps and the buffer is byte-identical
-  to ours. The trainer end must be built like SGLang's (`SGLangTrainerGroup`, below).
+  to ours. The trainer end is our `BroadcastGroup`, whose store keys follow the chain SGLang builds.
 - ipc: one `update_weights_from_tensor(load_format="flattened_bucket")` call per bucket whose payload names
   our CUDA IPC buffer through SGLang's uuid-aware rebuild function (only modules on SGLang's unpickling
   allow-list appear in it), with metadata giving our slot offsets. The actor process never touches CUDA.
@@ -41,23 +41,19 @@ import shutil
 import tempfile
 import threading
 import time
-from datetime import timedelta
 from functools import partial
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 
-from rlhf_orch.distributed import tcp_store
 from rlhf_orch.engines.base import SamplingParams
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
 from rlhf_orch.weight_sync.buckets import BucketLayout, checksums
-from rlhf_orch.weight_sync.collective import BroadcastGroup
+from rlhf_orch.weight_sync.collective import GROUP_NAME
 
 logger = logging.getLogger(__name__)
 
-GROUP_NAME = "rlhf_orch_sync"
 HOOK = "rlhf_orch.engines.sglang.rlhf_sglang_hook"     # our custom_weight_loader (runs in the schedulers)
 _RESERVED = "rlhf_orch."                                # names with this prefix never reach the model
 _INSTALL = "rlhf_orch.install:"
@@ -122,38 +118,6 @@ def _report(state: dict, rec: dict) -> None:
 
 
 # ---- trainer side ------------------------------------------------------------------------------------
-class SGLangTrainerGroup(BroadcastGroup):
-    """Rank 0 (the sender) of a group that SGLang's `init_weights_update_group` joins.
-
-    SGLang builds its end with `init_custom_process_group` (utils/common.py:2493-2561): a TCPStore client at
-    tcp://host:port, `PrefixStore(group_name)`, then torch's `_new_process_group_helper`, which nests
-    `PrefixStore(f"{group_name}/")` and `PrefixStore("cuda/")` before `ProcessGroupNCCL` (torch 2.11-2.13
-    distributed_c10d.py). NCCL finds its unique id under that key chain, so the sender must use the same
-    chain; our `BroadcastGroup` uses a single prefix. Same methods as BroadcastGroup otherwise; the
-    warm-up broadcasts uint8, the dtype of SGLang's flat receive buffer.
-    """
-
-    def __init__(self, host: str, port: int, world_size: int, timeout_s: float = 300.0,
-                 device: torch.device | None = None, group_name: str = GROUP_NAME):
-        if world_size < 2:
-            raise ValueError("a broadcast group needs the sender and at least one receiver")
-        self.backend, self.rank, self.world_size = "nccl", 0, world_size
-        self.device = device or torch.device("cuda", torch.cuda.current_device())
-        timeout = timedelta(seconds=timeout_s)
-        store = tcp_store(host, port, world_size, True, timeout)
-        self._store = dist.PrefixStore("cuda/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.is_high_priority_stream = False
-        opts._timeout = timeout
-        torch.cuda.set_device(self.device)
-        self.pg = dist.ProcessGroupNCCL(self._store, 0, world_size, opts)
-
-    def warmup(self) -> float:
-        self.broadcast(torch.ones(8, dtype=torch.uint8, device=self.device))
-        torch.cuda.synchronize(self.device)
-        return 1.0
-
-
 def bucket_request(layout: BucketLayout) -> tuple[list[str], list[str], list[list[int]]]:
     """names/dtypes/shapes whose tight packing (SGLang's) reproduces `layout` byte for byte (gaps -> uint8 pads)."""
     names, dtypes, shapes, pos = [], [], [], 0
@@ -199,7 +163,6 @@ class SGLangEngine:
         self.enable_memory_saver = enable_memory_saver
         self.enable_weights_cpu_backup = enable_weights_cpu_backup
         self.report_timeout_s = report_timeout_s
-        self._placement_id = device_id
         self._paused = False
         self._asleep: set[str] = set()
         self._released: list[str] = []
@@ -212,7 +175,6 @@ class SGLangEngine:
         self._verify = True
         self._loads = 0                   # load_weights calls since the hook was (re)installed
         self._sums: dict[str, int] = {}
-        self._ids: list[str] = []
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").strip().lower() in ("1", "true", "yes", "on"):
             raise EngineError(f"engine {name}: SGLANG_RETURN_ORIGINAL_LOGPROB is set, so SGLang would return logprobs "
                               "before temperature; unset it (the trainer compares log_softmax(logits / T))")
@@ -250,7 +212,7 @@ class SGLangEngine:
         """(Re)install the load wrapper in every TP scheduler through our custom_weight_loader."""
         cfg = json.dumps({"dir": self._dir, "verify": bool(verify)})
         self._call("installing the weight-load hook", self.engine.update_weights_from_tensor,
-                   [(_INSTALL + cfg, torch.zeros(1))], load_format=HOOK, flush_cache=False)
+                   [(_INSTALL + cfg, torch.empty(0))], load_format=HOOK, flush_cache=False)   # empty: no fd to share
         self._verify, self._loads = bool(verify), 0
 
     def _reports(self, seq: int) -> list[dict]:
@@ -310,7 +272,8 @@ class SGLangEngine:
             return []
         prompt_ids = [[int(t) for t in p] for p in prompts]
         flat = [p for p in prompt_ids for _ in range(params.n)]
-        sp = {"temperature": params.temperature, "top_p": params.top_p, "max_new_tokens": params.max_new_tokens, "n": 1}
+        sp = {"temperature": params.temperature, "top_p": params.top_p, "max_new_tokens": params.max_new_tokens, "n": 1,
+              "ignore_eos": bool(getattr(params, "ignore_eos", False))}
         with self._lock:
             outs = self._call("generate", self.engine.generate, input_ids=flat, sampling_params=sp, return_logprob=True)
         outs = [outs] if isinstance(outs, dict) else list(outs)
@@ -443,8 +406,7 @@ class SGLangEngine:
         """New weights are loaded: drop the radix (prefix) cache computed with the old ones, record `version`."""
         out = self._call("flush_cache", self.engine.flush_cache)
         if not getattr(out, "success", False):
-            raise EngineError(f"engine {self.name}: SGLang could not flush its cache (requests still running?): "
-                              f"{getattr(out, 'message', out)}")
+            raise EngineError(f"engine {self.name}: SGLang could not flush its cache: {getattr(out, 'message', out)}")
         self.weight_version = version
         self._stale = False
 

@@ -5,8 +5,14 @@ The group is built directly on a `TCPStore` (hosted by the sender, rank 0) as a 
 torch.distributed world nor the engines' internal groups. One group serves every engine: each engine
 worker is one rank, so fan-out is one collective that NCCL pipelines, not one send per engine.
 
-`warmup()` runs one small broadcast right after creation on every rank: the first collective on a
-fresh communicator pays connection setup (~1.5 s for NCCL), which must not land inside a timed sync.
+The store keys follow the chain torch's own `new_group` builds (`PrefixStore(name)` -> `name + "/"` ->
+`"cuda/"` or `"cpu/"`, distributed_c10d.py `_new_process_group_helper`), which is also what SGLang's
+`init_weights_update_group` builds on its side: an engine that joins with its own torch code (SGLang)
+finds the NCCL id where it looks, so vLLM workers, hf engines and SGLang schedulers share one group.
+
+`warmup()` runs one small broadcast (8 uint8 ones: the dtype SGLang's flat receive buffer has) right
+after creation on every rank: the first collective on a fresh communicator pays connection setup
+(~1.5 s for NCCL), which must not land inside a timed sync.
 This module does not decide what to send (sender.py / receiver.py do).
 """
 from __future__ import annotations
@@ -20,7 +26,8 @@ import torch.distributed as dist
 
 from rlhf_orch.distributed import free_port, tcp_store
 
-__all__ = ["BroadcastGroup", "free_port"]   # free_port re-exported: callers pick a port and build the group together
+GROUP_NAME = "rlhf_orch_sync"   # the name engines that build their own end (SGLang) must be given
+__all__ = ["BroadcastGroup", "GROUP_NAME", "free_port"]   # free_port re-exported: callers pick a port and build the group together
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +37,7 @@ class BroadcastGroup:
 
     def __init__(self, backend: str, host: str, port: int, rank: int, world_size: int,
                  timeout_s: float = 300.0, device: torch.device | None = None, local_host: str | None = None,
-                 name: str = "rlhf_orch_sync"):
+                 name: str = GROUP_NAME):
         if world_size < 2:
             raise ValueError("a broadcast group needs the sender and at least one receiver")
         if backend not in ("gloo", "nccl"):   # checked before the store, which would block for peers
@@ -39,7 +46,8 @@ class BroadcastGroup:
         self.device = device or torch.device("cpu")
         timeout = timedelta(seconds=timeout_s)
         store = tcp_store(host, port, world_size, rank == 0, timeout)
-        self._store = dist.PrefixStore(name, store)
+        chain = dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store))
+        self._store = dist.PrefixStore("cuda/" if backend == "nccl" else "cpu/", chain)
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout
@@ -65,8 +73,8 @@ class BroadcastGroup:
         return None
 
     def warmup(self) -> float:
-        """One small collective on both sides; returns the value seen (rank 0 sends 1.0)."""
-        t = torch.full((8,), 1.0 if self.rank == 0 else 0.0, device=self.device)
+        """One small collective on every rank; returns the value seen (rank 0 sends ones)."""
+        t = torch.full((8,), 1 if self.rank == 0 else 0, dtype=torch.uint8, device=self.device)
         self.broadcast(t)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -53,7 +53,7 @@ def _check_logprobs(engine, model_dir, version):
 
 @pytest.mark.parametrize("placement", ["nccl", "ipc"])
 def test_sync_into_sglang(engine, dirs, placement):
-    from rlhf_orch.engines.sglang import SGLangTrainerGroup
+    from rlhf_orch.weight_sync.collective import BroadcastGroup
     from rlhf_orch.types import ParamSpec, dtype_name
     from rlhf_orch.weight_sync import WeightSender, plan_buckets
     from rlhf_orch.weight_sync.collective import free_port
@@ -70,7 +70,7 @@ def test_sync_into_sglang(engine, dirs, placement):
 
         def trainer_side():
             try:
-                g = SGLangTrainerGroup("127.0.0.1", port, 2, 120, dev)
+                g = BroadcastGroup("nccl", "127.0.0.1", port, 0, 2, 120, dev)
                 g.warmup()                     # meets the engine's warm-up call inside setup_receiver
                 box["sender"] = WeightSender(layouts, dev, [], g)
             except Exception as e:             # surfaced by the assert below, not lost in the thread

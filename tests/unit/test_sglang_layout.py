@@ -1,7 +1,7 @@
 """CPU checks of the SGLang engine's pure parts (no SGLang needed).
 
 1. `bucket_request` pads our 256-byte aligned bucket so SGLang's tight packing reproduces it byte for
-   byte: the packing rule below is FlattenedTensorBucket's (sglang 0.5.17 weight_sync/tensor_bucket.py:57-75:
+   byte: the packing rule below is FlattenedTensorBucket's (sglang 0.5.17 weight_sync/tensor_bucket.py:50-72:
    each tensor flattened to uint8 and concatenated in request order).
 2. The load wrapper that `rlhf_sglang_hook` installs in each scheduler drops padding and warm-up entries,
    loads the rest through the model's own load_weights, and reports the received tensors' checksums.
