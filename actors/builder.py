@@ -118,6 +118,7 @@ class Cluster:
         self.colocation = Colocation(self.trainers, self.engines, sleep_levels, cfg.trainer.offload, device, self.timeout)
         self.colocation.start()
         self.trainers.init(model_path, tkw)
+        self.colocation.wake_weights()      # receivers are built into awake weights; the KV cache stays freed
         get([r.score.remote([]) for r in self.rewarders], self.timeout, "reward workers to start", RewardError)
         self.coordinator = WeightSyncCoordinator.options(name=f"{name}-weight-sync", runtime_env={"env_vars": env}).remote(
             self.trainers.actors, self.engines, device, cfg.model.dtype, cfg.weight_sync.transport,

@@ -21,6 +21,8 @@ def _median(records, key):
 def summarize(run: Path) -> str:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
+    if not records:
+        return f"### {run.name}\n\n- no step finished\n"
     steady = records[1:] or records
     out = [f"### {run.name}", "",
            f"- steps: {len(records)}; reward first 20%: {summary.get('reward_first', float('nan')):.3f}, "
