@@ -10,6 +10,7 @@ It does not train the model (the trainer's optional supervised warm start does t
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -78,9 +79,12 @@ def ensure_model_dir(name: str, spec: TinyModelSpec, out_dir: str | os.PathLike,
     """
     if name != "tiny-llama":
         raise ValueError(f"unknown built-in model {name!r}; the only built-in is 'tiny-llama'")
-    path = Path(out_dir) / f"{name}-seed{seed}"
-    stamp = path / "rlhf_orch_spec.json"
     wanted = {"spec": spec.model_dump(), "seed": seed}
+    # The shape is in the folder name: two runs sharing an output_dir with different shapes (side by side,
+    # even at the same time) must not overwrite each other's model.
+    digest = hashlib.sha1(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:8]
+    path = Path(out_dir) / f"{name}-{digest}-seed{seed}"
+    stamp = path / "rlhf_orch_spec.json"
     if stamp.exists() and json.loads(stamp.read_text()) == wanted:
         return path
     tok = build_tokenizer()
