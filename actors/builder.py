@@ -131,7 +131,10 @@ class Cluster:
         from rlhf_orch.metrics import JsonlSink, MultiSink, RayMetricsSink, TensorBoardSink
         m, sinks = self.cfg.metrics, []
         if m.jsonl:
-            sinks.append(JsonlSink(self.run_dir / "metrics.jsonl"))
+            path = self.run_dir / "metrics.jsonl"
+            if not self.cfg.resume and path.exists():   # a fresh run in a used folder starts a fresh file
+                path.unlink()
+            sinks.append(JsonlSink(path))
         if m.tensorboard:
             sinks.append(TensorBoardSink(self.run_dir / "tb"))
         if m.ray_metrics:

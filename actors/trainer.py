@@ -55,8 +55,8 @@ class TrainerActor:
     def sft_step(self, batch: TrainBatch, num_tokens_global: float) -> dict:
         return self.trainer.sft_step(batch, num_tokens_global)
 
-    def snapshot_reference(self, path: str | None = None) -> None:
-        self.trainer.snapshot_reference(path)
+    def snapshot_reference(self, path: str | None = None, reuse: bool = False) -> None:
+        self.trainer.snapshot_reference(path, reuse)
 
     def load_checkpoint(self, directory: str, tag: str) -> dict:
         return self.trainer.load_checkpoint(directory, tag)

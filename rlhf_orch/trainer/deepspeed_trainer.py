@@ -124,18 +124,19 @@ class DeepSpeedTrainer:
         self.engine.module.eval()
         return self._logprobs(self.engine.module, batch).cpu()
 
-    def snapshot_reference(self, path: str | None = None) -> None:
+    def snapshot_reference(self, path: str | None = None, reuse: bool = False) -> None:
         """Freeze the KL reference: the policy as RL starts (call on every rank together). Built from the
         gathered weights, so it works for every ZeRO stage; a full copy per rank, fine for models that fit
         one device (a separate reference group is the plan for larger ones). With `path`, rank 0 saves it
-        there, and a resumed run loads it back instead of freezing the resumed policy."""
+        there; a resumed run (`reuse`) loads it back instead of freezing the resumed policy, and a fresh
+        run in the same folder overwrites it."""
         if self.kl_coef <= 0:
             return
         from transformers import AutoModelForCausalLM
         ref = AutoModelForCausalLM.from_config(self.engine.module.config, dtype=torch.float32)
         params = dict(ref.named_parameters())
         with torch.no_grad():
-            if path and os.path.exists(path):
+            if reuse and path and os.path.exists(path):
                 ref.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
             else:
                 for name, t in self.iter_named_tensors(self._gather_groups(256 << 20)):
