@@ -76,6 +76,10 @@ class Cluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
         self.started_ray = init_ray(cfg)
+        if any(e.kind == "sglang" for e in cfg.engines):
+            # SGLang turns NCCL's cuMem allocator off in its processes (engine.py:1583); a trainer-side end of
+            # the same communicator with it on fails its first broadcast ("unhandled cuda error").
+            os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
         if cfg.resume:   # read the checkpoint once; drop metrics after it before the sinks append to the file
             tag = latest_tag(checkpoint_dir(self.run_dir))
             if tag is not None:
