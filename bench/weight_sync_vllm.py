@@ -43,7 +43,7 @@ def model_dir(model: str, root: Path) -> str:
     from transformers import LlamaConfig
     from rlhf_orch.models import build_tokenizer
     path = root / model
-    LlamaConfig(**SHAPES[model], max_position_embeddings=2048, torch_dtype="bfloat16").save_pretrained(path)
+    LlamaConfig(**SHAPES[model], max_position_embeddings=2048, torch_dtype="bfloat16", architectures=["LlamaForCausalLM"]).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return str(path)
 

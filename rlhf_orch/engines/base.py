@@ -5,16 +5,22 @@ An engine generates batches of responses with per-token logprobs, and takes new 
 track the weight version they hold and stamp it on every sample, so the driver can refuse stale
 rollouts. `pause()`/`resume()` bracket a sync: a paused engine refuses to generate.
 
-This module defines the contract only; it imports no engine library.
+`EngineLifecycle` is the pause/sleep bookkeeping every engine kind shares (what an engine in each state
+refuses, and the tag checks of `wake_up`). This module defines the contract only; it imports no engine
+library.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
+
+WAKE_TAGS = ("weights", "kv_cache")
 
 
 @dataclass(frozen=True)
@@ -49,3 +55,44 @@ class RolloutEngine(Protocol):
 
     def finish_sync(self, version: int) -> None:
         """New weights are loaded and verified: drop caches, record `version`."""
+
+
+class EngineLifecycle:
+    """Pause and sleep state of an engine: paused (a sync is running) or asleep (memory released for a
+    colocated trainer, per tag). Engines call `_init_lifecycle()` in __init__ and `_check_can_generate()`
+    first in generate; `_lock` is held by generate, so `pause()` waits for an in-flight batch."""
+
+    name: str
+
+    def _init_lifecycle(self) -> None:
+        self._paused = False
+        self._asleep: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _check_can_generate(self) -> None:
+        if self._paused:
+            raise EngineError(f"engine {self.name}: generate called while paused for a weight sync")
+        if self._asleep:
+            raise EngineError(f"engine {self.name}: generate called while asleep ({sorted(self._asleep)}); call wake_up() first")
+
+    def _need_weights_awake(self, what: str) -> None:
+        if "weights" in self._asleep:
+            raise EngineError(f"engine {self.name}: {what} while the weights are asleep; call wake_up(['weights']) first")
+
+    def _tags_to_wake(self, tags: list[str] | None) -> list[str]:
+        """Validate `tags` (None: all) and return those actually asleep."""
+        tags = list(WAKE_TAGS) if tags is None else list(tags)
+        bad = [t for t in tags if t not in WAKE_TAGS]
+        if bad:
+            raise EngineError(f"engine {self.name}: unknown wake_up tags {bad}; use {list(WAKE_TAGS)}")
+        return [t for t in tags if t in self._asleep]
+
+    def pause(self) -> None:
+        with self._lock:   # waits for an in-flight generate to finish
+            self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def is_asleep(self) -> bool:
+        return bool(self._asleep)

@@ -15,12 +15,11 @@ It does not do continuous batching, paged KV caches or tensor parallelism: use v
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Sequence
 
 import torch
 
-from rlhf_orch.engines.base import SamplingParams
+from rlhf_orch.engines.base import EngineLifecycle, SamplingParams
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample, dtype_from_name
 from rlhf_orch.weight_sync.buckets import checksums
@@ -28,7 +27,7 @@ from rlhf_orch.weight_sync.buckets import checksums
 logger = logging.getLogger(__name__)
 
 
-class HFEngine:
+class HFEngine(EngineLifecycle):
     def __init__(self, name: str, model_path: str, device: str = "cpu", dtype: str = "float32",
                  device_id: str = "", max_batch_size: int = 256, seed: int = 0):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -38,10 +37,8 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.weight_version = -1        # nothing synced yet: the first sync makes it 0
         self._device_id = device_id
-        self._paused = False
-        self._asleep: set[str] = set()
+        self._init_lifecycle()
         self._sleep_level = 0
-        self._lock = threading.Lock()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
             self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype_from_name(dtype)).to(self.device)
@@ -62,10 +59,7 @@ class HFEngine:
     # ---- generation -------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
-        if self._paused:
-            raise EngineError(f"engine {self.name}: generate called while paused for a weight sync")
-        if self._asleep:
-            raise EngineError(f"engine {self.name}: generate called while asleep ({sorted(self._asleep)}); call wake_up() first")
+        self._check_can_generate()
         flat = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         out: list[Sample] = []
         with self._lock:
@@ -132,8 +126,7 @@ class HFEngine:
     # ---- weights ----------------------------------------------------------------------------------
     @torch.no_grad()
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        if "weights" in self._asleep:
-            raise EngineError(f"engine {self.name}: weights arrived while asleep; call wake_up(['weights']) first")
+        self._need_weights_awake("load_weights")
         missing = [n for n, _ in named if n not in self.params]
         if missing:
             raise EngineError(f"engine {self.name}: no parameter named {missing[0]!r} in the model")
@@ -142,13 +135,6 @@ class HFEngine:
 
     def checksums(self, names: list[str]) -> list[int]:
         return checksums(self.params[n] for n in names)
-
-    def pause(self) -> None:
-        with self._lock:   # waits for an in-flight generate to finish
-            self._paused = True
-
-    def resume(self) -> None:
-        self._paused = False
 
     def rng_state(self) -> torch.Tensor:
         """The sampling generator's state, so a resumed run samples exactly as an uninterrupted one."""
@@ -175,11 +161,8 @@ class HFEngine:
             self._asleep = {"weights", "kv_cache"}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        tags = ["weights", "kv_cache"] if tags is None else list(tags)
-        bad = [t for t in tags if t not in ("weights", "kv_cache")]
-        if bad:
-            raise EngineError(f"engine {self.name}: unknown wake_up tags {bad}; use ['weights', 'kv_cache']")
-        if "weights" in tags and "weights" in self._asleep:
+        tags = self._tags_to_wake(tags)
+        if "weights" in tags:
             shapes = self._shapes
             for n, p in self.params.items():
                 if self._sleep_level == 1:
@@ -188,5 +171,3 @@ class HFEngine:
                     p.data = torch.full(shapes[n], float("nan"), dtype=p.dtype, device=self.device)
         self._asleep -= set(tags)
 
-    def is_asleep(self) -> bool:
-        return bool(self._asleep)

@@ -39,14 +39,13 @@ import os
 import pickle
 import shutil
 import tempfile
-import threading
 import time
 from functools import partial
 from typing import Any, Sequence
 
 import torch
 
-from rlhf_orch.engines.base import SamplingParams
+from rlhf_orch.engines.base import WAKE_TAGS, EngineLifecycle, SamplingParams
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
 from rlhf_orch.weight_sync.buckets import BucketLayout, checksums
@@ -59,7 +58,6 @@ _RESERVED = "rlhf_orch."                                # names with this prefix
 _INSTALL = "rlhf_orch.install:"
 _PAD = "rlhf_orch.pad."
 _WARMUP = "rlhf_orch.warmup"
-_TAGS = ("weights", "kv_cache")
 
 
 # ---- inside every SGLang scheduler process ----------------------------------------------------------
@@ -146,7 +144,7 @@ class _Reduce:
 
 
 # ---- the engine (in the rollout actor) ---------------------------------------------------------------
-class SGLangEngine:
+class SGLangEngine(EngineLifecycle):
     checksums_mode = "received"   # checksums describe received tensors (see the module doc)
 
     def __init__(self, name: str, model_path: str, device: str = "cuda", device_id: str = "",
@@ -163,11 +161,9 @@ class SGLangEngine:
         self.enable_memory_saver = enable_memory_saver
         self.enable_weights_cpu_backup = enable_weights_cpu_backup
         self.report_timeout_s = report_timeout_s
-        self._paused = False
-        self._asleep: set[str] = set()
+        self._init_lifecycle()
         self._released: list[str] = []
         self._stale = False               # weights dropped by sleep(2): a sync must come before generate
-        self._lock = threading.Lock()
         self._layouts: list[BucketLayout] = []
         self._requests: list[tuple] = []
         self._meta: dict[int, list] = {}
@@ -252,20 +248,13 @@ class SGLangEngine:
         self._sums.update(zip(names, sums))
         return sums, recs
 
-    def _need_weights_awake(self, what: str) -> None:
-        if "weights" in self._asleep:
-            raise EngineError(f"engine {self.name}: {what} while the weights are asleep; call wake_up(['weights']) first")
-
     def device_ids(self) -> list[str]:
         """GPU UUID of every TP scheduler, as each scheduler reported it (rank order)."""
         return list(self._ids)
 
     # ---- generation -------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
-        if self._paused:
-            raise EngineError(f"engine {self.name}: generate called while paused for a weight sync")
-        if self._asleep:
-            raise EngineError(f"engine {self.name}: generate called while asleep ({sorted(self._asleep)}); call wake_up() first")
+        self._check_can_generate()
         if self._stale:
             raise EngineError(f"engine {self.name}: weights were dropped by sleep(level=2); sync new weights first")
         if not prompts:
@@ -395,13 +384,6 @@ class SGLangEngine:
         return [self._sums[n] for n in names]
 
     # ---- lifecycle --------------------------------------------------------------------------------
-    def pause(self) -> None:
-        with self._lock:   # waits for an in-flight generate to finish
-            self._paused = True
-
-    def resume(self) -> None:
-        self._paused = False
-
     def finish_sync(self, version: int) -> None:
         """New weights are loaded: drop the radix (prefix) cache computed with the old ones, record `version`."""
         out = self._call("flush_cache", self.engine.flush_cache)
@@ -425,24 +407,18 @@ class SGLangEngine:
             if tags:
                 self._call("release_memory_occupation", self.engine.release_memory_occupation, tags=tags)
             self._released += tags
-            self._asleep = set(_TAGS)
+            self._asleep = set(WAKE_TAGS)
             self._stale = self._stale or level == 2
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Re-allocate `tags` (["weights"], then ["kv_cache"]; None: both). After level 2, sync before generating."""
-        tags = list(_TAGS) if tags is None else list(tags)
-        bad = [t for t in tags if t not in _TAGS]
-        if bad:
-            raise EngineError(f"engine {self.name}: unknown wake_up tags {bad}; use {list(_TAGS)}")
-        want = [t for t in tags if t in self._asleep]
+        want = self._tags_to_wake(tags)
         sg = [t for t in self._released if t in want or (t == "cuda_graph" and "weights" in want)]
         if sg:
             self._call("resume_memory_occupation", self.engine.resume_memory_occupation, tags=sg)
             self._released = [t for t in self._released if t not in sg]
         self._asleep -= set(want)
 
-    def is_asleep(self) -> bool:
-        return bool(self._asleep)
 
     def close(self) -> None:
         """Leave the weight-sync group (the receiver side of a shutdown; SGLang keeps running)."""

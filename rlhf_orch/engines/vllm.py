@@ -14,12 +14,11 @@ parallelism or data parallelism. API references: docs/vllm_api_notes.md.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, Sequence
 
 import torch
 
-from rlhf_orch.engines.base import SamplingParams
+from rlhf_orch.engines.base import WAKE_TAGS, EngineLifecycle, SamplingParams
 from rlhf_orch.engines.vllm_worker import pack_arg
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
@@ -27,10 +26,9 @@ from rlhf_orch.types import Sample
 logger = logging.getLogger(__name__)
 
 EXTENSION = "rlhf_orch.engines.vllm_worker.WeightSyncWorkerExtension"
-_TAGS = ("weights", "kv_cache")
 
 
-class VLLMEngine:
+class VLLMEngine(EngineLifecycle):
     checksums_mode = "received"   # checksums describe received tensors (see vllm_worker.py)
 
     def __init__(self, name: str, model_path: str, device: str = "cuda", device_id: str = "",
@@ -45,10 +43,8 @@ class VLLMEngine:
         self.enable_sleep_mode = enable_sleep_mode
         self.tensor_parallel_size = tensor_parallel_size
         self._placement_id = device_id
-        self._paused = False
-        self._asleep: set[str] = set()
+        self._init_lifecycle()
         self._ids: list[str] | None = None
-        self._lock = threading.Lock()
         try:
             from vllm import LLM
         except ImportError as e:
@@ -89,10 +85,6 @@ class VLLMEngine:
                 raise EngineError(f"engine {self.name}: {method}: worker {rank} disagrees with worker 0")
         return first
 
-    def _need_weights_awake(self, what: str) -> None:
-        if "weights" in self._asleep:
-            raise EngineError(f"engine {self.name}: {what} while the weights are asleep; call wake_up(['weights']) first")
-
     def device_ids(self) -> list[str]:
         if self._ids is None:
             self._ids = [str(x) for x in self._rpc("rlhf_device_id")]
@@ -103,10 +95,7 @@ class VLLMEngine:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self._paused:
-            raise EngineError(f"engine {self.name}: generate called while paused for a weight sync")
-        if self._asleep:
-            raise EngineError(f"engine {self.name}: generate called while asleep ({sorted(self._asleep)}); call wake_up() first")
+        self._check_can_generate()
         if not prompts:
             return []
         prompt_ids = [[int(t) for t in p] for p in prompts]
@@ -176,13 +165,6 @@ class VLLMEngine:
         return self._agree("checksums", [[int(x) for x in r] for r in results])
 
     # ---- lifecycle --------------------------------------------------------------------------------
-    def pause(self) -> None:
-        with self._lock:   # waits for an in-flight generate to finish
-            self._paused = True
-
-    def resume(self) -> None:
-        self._paused = False
-
     def finish_sync(self, version: int) -> None:
         """New weights are loaded: drop KV blocks computed with the old ones, record `version`."""
         if not self.llm.reset_prefix_cache():
@@ -197,21 +179,15 @@ class VLLMEngine:
             raise EngineError(f"engine {self.name}: sleep level must be 1 or 2, got {level}")
         with self._lock:
             self.llm.sleep(level=level)
-            self._asleep = set(_TAGS)
+            self._asleep = set(WAKE_TAGS)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Re-allocate `tags` (["weights"], then ["kv_cache"]; None: both). After level 2, sync before generating."""
-        tags = list(_TAGS) if tags is None else list(tags)
-        bad = [t for t in tags if t not in _TAGS]
-        if bad:
-            raise EngineError(f"engine {self.name}: unknown wake_up tags {bad}; use {list(_TAGS)}")
-        tags = [t for t in tags if t in self._asleep]
+        tags = self._tags_to_wake(tags)
         if tags:
             self.llm.wake_up(tags=tags)
             self._asleep -= set(tags)
 
-    def is_asleep(self) -> bool:
-        return bool(self._asleep)
 
     def shutdown(self) -> None:
         try:
