@@ -36,10 +36,6 @@ class Colocation:
         self.phase = "generate"          # engines start awake, trainers loaded
         self.labels: dict[str, str] = {}  # device id -> gpuK
 
-    @property
-    def active(self) -> bool:
-        return bool(self.sleep_levels) or self.offload
-
     def _engines(self, method: str, *args) -> list:
         names = list(self.sleep_levels)
         return get([getattr(self.engines[n], method).remote(*args) for n in names], self.timeout,
@@ -48,6 +44,12 @@ class Colocation:
     def _trainers(self, method: str) -> list[dict]:
         return self.trainers.call(method)
 
+    def _sleep(self) -> float:
+        names = list(self.sleep_levels)
+        secs = get([self.engines[n].sleep.remote(self.sleep_levels[n]) for n in names], self.timeout,
+                   f"engines {names} to sleep", EngineError)
+        return max(secs)
+
     # ---- transitions ------------------------------------------------------------------------------
     def to_train(self) -> dict[str, float]:
         if self.phase == "train":
@@ -55,10 +57,7 @@ class Colocation:
         m: dict[str, float] = {}
         t0 = time.perf_counter()
         if self.sleep_levels:
-            names = list(self.sleep_levels)
-            secs = get([self.engines[n].sleep.remote(self.sleep_levels[n]) for n in names], self.timeout,
-                       f"engines {names} to sleep", EngineError)
-            m["colocate/sleep_s"] = max(secs)
+            m["colocate/sleep_s"] = self._sleep()
         if self.offload:
             parts = self._trainers("reload_states")
             m["colocate/reload_s"] = max(p.get("offload/reload_s", 0.0) for p in parts)
@@ -95,9 +94,7 @@ class Colocation:
         """Right after the engines are up, before the trainers initialise (nothing to reload yet): the
         engines sleep so the trainer's start and warm start have the GPU."""
         if self.sleep_levels:
-            names = list(self.sleep_levels)
-            get([self.engines[n].sleep.remote(self.sleep_levels[n]) for n in names], self.timeout,
-                f"engines {names} to sleep", EngineError)
+            self._sleep()
         self.phase = "train"
 
     # ---- readings ---------------------------------------------------------------------------------
