@@ -18,9 +18,8 @@ Each side runs in its own process, one after the other, on the same GPU (GPU mem
   ours - a real Ray cluster (local), `RolloutActor.options(num_gpus=1).remote(name, "vllm", ...)`, timed
          around `ray.get(actor.generate.remote(prompts, params))`: what the driver sees, including Ray
          transfer of the samples and our Sample conversion. The actor's own generate time is reported too.
-Both sides ignore EOS when our SamplingParams has an `ignore_eos` field; otherwise only the bare side
-can (a random 128k-vocab model samples EOS about once per 128k tokens) and the token counts are shown.
-tokens/s always uses each side's own count. One warm-up round, then the median of --repeats rounds.
+Both sides ignore EOS (`SamplingParams.ignore_eos`), so both generate the same token count; tokens/s
+still uses each side's own count. One warm-up round, then the median of --repeats rounds.
 The bare process also times our Sample conversion alone (VLLMEngine._sample on its outputs) and pickling.
 """
 from __future__ import annotations
@@ -41,9 +40,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rlhf_orch.engines.base import SamplingParams  # noqa: E402
-
-HAS_IGNORE_EOS = "ignore_eos" in getattr(SamplingParams, "__dataclass_fields__", {})
-
 
 def make_prompts(args) -> list[list[int]]:
     """Deterministic random token-id prompts (ids 4.. avoid pad/bos/eos/unk)."""
@@ -83,10 +79,8 @@ def engine_kwargs(args, model_path: str) -> dict:
 
 
 def our_params(args, ignore_eos: bool) -> SamplingParams:
-    kw = dict(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_tokens, n=args.n)
-    if HAS_IGNORE_EOS:
-        kw["ignore_eos"] = ignore_eos
-    return SamplingParams(**kw)
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_tokens, n=args.n,
+                          ignore_eos=ignore_eos)
 
 
 def timed_rounds(fn, repeats: int) -> tuple[list[float], object]:
@@ -163,7 +157,7 @@ def side_ours(args, model_path: str) -> dict:
             return samples
         ts, samples = timed_rounds(gen, args.repeats)
         return dict(seconds=ts, actor_seconds=inner[1:], tokens=sum(len(s.response_ids) for s in samples),
-                    ignore_eos=HAS_IGNORE_EOS)
+                    ignore_eos=params.ignore_eos)
     finally:
         ray.shutdown()
 
@@ -213,7 +207,7 @@ def table(args, bare: dict, ours: dict) -> str:
     b_s, o_s = statistics.median(bare["seconds"]), statistics.median(ours["seconds"])
     a_s = statistics.median(ours["actor_seconds"])
     b_tps, o_tps, a_tps = bare["tokens"] / b_s, ours["tokens"] / o_s, ours["tokens"] / a_s
-    eos = "ignored" if ours["ignore_eos"] else "NOT ignored (SamplingParams has no ignore_eos)"
+    eos = "ignored" if ours["ignore_eos"] else "NOT ignored"
     rows = [("bare vLLM `LLM.generate`", bare["tokens"], b_s, b_tps),
             ("ours: driver `ray.get(RolloutActor.generate)`", ours["tokens"], o_s, o_tps),
             ("ours: inside the actor (`engine.generate`)", ours["tokens"], a_s, a_tps)]
@@ -274,8 +268,6 @@ def main():
     model_path = build_model(args)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"rlhf_orch_rollout_{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
-    if not HAS_IGNORE_EOS:
-        print("warning: rlhf_orch SamplingParams has no ignore_eos; our side may stop at EOS", flush=True)
     bare = run_side("bare", args, model_path, work / "bare.json")
     print(f"bare: {bare['tokens']} tokens, rounds {bare['seconds']} (process {bare['wall_s']:.0f} s)", flush=True)
     ours = run_side("ours", args, model_path, work / "ours.json")
