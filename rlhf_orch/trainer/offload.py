@@ -7,9 +7,9 @@ moments and master weights unless the optimizer is its FusedAdam (an exact class
 although torch's AdamW keeps the same `exp_avg`/`exp_avg_sq` state; FusedAdam would need a CUDA build at
 start-up, so for ZeRO-3 those two parts are moved here with DeepSpeed's own helpers instead.
 
-Each call returns flat metrics: seconds, and GPU memory before and after (torch's allocated bytes of
-this process, and the device-wide used bytes, which also count other processes such as a vLLM engine
-on the same GPU). On CPU the "offload" is a CPU-to-CPU move: it exercises the bookkeeping (tests prove
+Each call returns flat metrics: seconds, and for an offload the GiB of this process's torch allocation it
+freed (whole-device readings, which also count a vLLM engine on the same GPU, are taken by
+actors/colocation.py for every GPU at once). On CPU the "offload" is a CPU-to-CPU move: it exercises the bookkeeping (tests prove
 training after a round trip is unchanged) and frees nothing.
 
 It does not offload ZeRO stage 0 (no ZeRO optimizer to hand the state to: the config rejects it), and
@@ -62,8 +62,6 @@ def offload(engine, zero_stage: int, device: torch.device) -> dict[str, float]:
     secs = time.perf_counter() - t0
     after = gpu_memory(device)
     out = {"offload_s": secs}
-    out.update({f"before_offload/{k}": v for k, v in before.items()})
-    out.update({f"after_offload/{k}": v for k, v in after.items()})
     if before:
         out["freed_gb"] = before["allocated_gb"] - after["allocated_gb"]
     return out
@@ -81,6 +79,4 @@ def reload(engine, zero_stage: int, device: torch.device) -> dict[str, float]:
         reload_adam_states(opt.optimizer, device)
         setattr(opt, _OURS, False)
     _sync(device)
-    out = {"reload_s": time.perf_counter() - t0}
-    out.update({f"after_reload/{k}": v for k, v in gpu_memory(device).items()})
-    return out
+    return {"reload_s": time.perf_counter() - t0}
