@@ -4,9 +4,12 @@
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- python launch.py --config configs/tiny_cpu.yaml
 
 Story: validate everything -> allocate -> build actors -> (warm start) -> initial sync -> per step:
-generate -> score -> train -> sync -> log/checkpoint (colocated runs hand each shared GPU from trainer
-to engines before generate and back after it, see actors/colocation.py); metrics, plots and a checkpoint are written in
-`finally`, so a failed run still leaves them readable.
+release the new version to the rollout manager -> take the step's batch (generated and scored as groups
+finish, see actors/rollout_manager.py) -> train -> sync -> log/checkpoint. With rollout.max_staleness 0 the
+manager starts a step's groups only after the previous sync: the synchronous loop exactly. With k >= 1 the
+engines keep generating for later steps while the trainer trains. Colocated runs hand each shared GPU from
+trainer to engines before generate and back after it (actors/colocation.py); metrics, plots, the timeline
+and a checkpoint are written in `finally`, so a failed run still leaves them readable.
 """
 from __future__ import annotations
 
@@ -49,24 +52,21 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
     import torch
     from tqdm import tqdm
     from actors.builder import Cluster
-    from rlhf_orch.algorithms import compute_advantages
     from rlhf_orch.errors import WeightSyncError
     from rlhf_orch.metrics import PhaseTimer
-    from rlhf_orch.rollout_utils import check_versions, reward_summary, rollout_metrics, warm_start_pairs
-    from rlhf_orch.trainer.batch import build_sft_batch, build_train_batch
+    from rlhf_orch.rollout_utils import reward_summary, warm_start_pairs
+    from rlhf_orch.trainer.batch import build_sft_batch
 
-    cfg_a, seed = cfg.algorithm, cfg.experiment.seed
+    seed, last = cfg.experiment.seed, cfg.experiment.steps
     random.seed(seed), torch.manual_seed(seed)
     cluster, sinks, records = None, None, []
-    data_state = dataset.state()    # the cursor after the last *completed* step: what a checkpoint must hold
-    verified, syncs = 0, 0
+    rollout_state = None    # the rollout manager's state after the last *completed* step: what a checkpoint holds
+    verified, syncs, summary = 0, 0, {}
     try:
-        cluster = Cluster.start(cfg, run_dir, model_path)           # Ray, placement, all actors, sinks
+        cluster = Cluster.start(cfg, run_dir, model_path, dataset, tokenizer.pad_token_id)   # Ray, all actors, sinks
         sinks = cluster.sinks
         resumed = cluster.restore() if cfg.resume else None         # trainer state, engine RNGs
         if resumed:
-            dataset.restore(resumed["data"])
-            data_state = dataset.state()
             records = list(cluster.history)
         elif cfg.trainer.warm_start_steps:
             rng = random.Random(seed)
@@ -82,32 +82,25 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
         syncs, verified = 1, int(sync_metrics["sync/checksum_ok"] == 1.0)
         logger.info("initial sync: %.1f MB in %.3fs (%s)", sync_metrics["sync/bytes"] / 1e6,
                     sync_metrics["sync/total_s"], cluster.plan)
-        bar = tqdm(range(start, cfg.experiment.steps + 1), initial=start - 1, total=cfg.experiment.steps,
-                   desc=cfg_a.name.upper(), file=sys.stderr)
+        cluster.start_rollouts(start, start - 1, resumed)
+        bar = tqdm(range(start, last + 1), initial=start - 1, total=last, desc=cfg.algorithm.name.upper(), file=sys.stderr)
         for step in bar:
             timer = PhaseTimer()
             with timer.phase("step"):
-                prompts = dataset.next_batch(cfg.data.prompts_per_step)
                 with timer.phase("to_generate"):    # colocation: trainers offload, engines wake (else no-op)
                     coloc = cluster.to_generate()
-                with timer.phase("generate"):
-                    samples, gen_s = cluster.generate(prompts, cfg_a.group_size)
+                # Engines hold version step-1: the manager admits what max_staleness allows (with 0: this step's
+                # groups, exactly the synchronous loop; with k >= 1 most were generated while the trainer trained).
+                cluster.release(step - 1)
+                with timer.phase("generate"):       # wait for the step's groups, generated and scored
+                    meta, shards = cluster.next_batch(step)
                 with timer.phase("to_train"):       # colocation: engines sleep, trainers reload
                     coloc.update(cluster.to_train())
-                check_versions(samples, step - 1)
-                with timer.phase("reward"):
-                    rewards = torch.tensor(cluster.score(samples, prompts))
-                group_ids = torch.tensor([s.prompt_index for s in samples])
-                adv = compute_advantages(cfg_a.name, rewards, group_ids,
-                                         **({"norm_by_std": cfg_a.norm_adv_by_std} if cfg_a.name == "grpo" else {}))
-                batch = build_train_batch(samples, adv, tokenizer.pad_token_id)
                 with timer.phase("train"):
-                    if cfg.trainer.ppo_epochs > 1:
-                        batch.old_logprobs = cluster.trainers.logprobs(batch)
-                    train = cluster.trainers.step("train_step", batch)
+                    train = cluster.train(meta, shards)
                 with timer.phase("sync"):
                     sync_metrics = cluster.sync(step)
-            m = {**rollout_metrics(prompts, samples, rewards, adv, gen_s), **train, **sync_metrics, **coloc, **timer.metrics()}
+            m = {**meta["metrics"], **train, **sync_metrics, **coloc, **timer.metrics()}
             m["rollout/logprob_diff_mean"] = train["train/logprob_diff_sum"] / max(train["train/tokens"], 1.0)
             m["rollout/logprob_diff_max"] = train["train/logprob_diff_max"]
             alarm = cfg.weight_sync.mismatch_alarm
@@ -115,24 +108,25 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
                 raise WeightSyncError(f"engine/trainer logprobs differ by {m['rollout/logprob_diff_max']:.4f} "
                                       f"> weight_sync.mismatch_alarm {alarm} after sync v{step - 1}")
             records.append({"step": step, **m})
-            data_state = dataset.state()
+            rollout_state = cluster.rollout_state()
             syncs, verified = syncs + 1, verified + int(m["sync/checksum_ok"] == 1.0)
             sinks.write(step, m)
             bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}", kl=f"{m.get('train/kl', 0.0):.4f}",
                             step_s=f"{m['perf/step_s']:.2f}", sync_s=f"{m['sync/total_s']:.3f}")
             if cfg.experiment.log_samples_every and step % cfg.experiment.log_samples_every == 0:
-                s = samples[0]
-                logger.info("step %d sample: %r -> %r (reward %.2f)", step, prompts[s.prompt_index].text, s.text, float(rewards[0]))
+                prompt, response, reward = meta["example"]
+                logger.info("step %d sample: %r -> %r (reward %.2f)", step, prompt, response, reward)
             if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
-                cluster.checkpoint(step, data_state)
-        summary = reward_summary([r["rollout/reward_mean"] for r in records])
+                cluster.checkpoint(step, rollout_state)
+        summary.update(reward_summary([r["rollout/reward_mean"] for r in records]))
         # A checksum mismatch raises, so a finished run has verified every sync unless weight_sync.verify is off.
         summary.update(syncs=syncs, verified_syncs=verified, transports=cluster.plan,
                        resumed_from=start - 1 if resumed else None)
         return summary
     finally:
         if cluster is not None:
-            cluster.close(records, data_state)
+            cluster.close(records, rollout_state)
+            summary["ledger"] = cluster.final_ledger   # every prompt drawn: trained, filtered, or still queued
 
 
 def main(argv=None) -> int:

@@ -1,11 +1,13 @@
 """Build and tear down everything a run needs: Ray, placement, trainer group, engines, reward
-workers, the WeightSyncCoordinator and the metric sinks. `Cluster` is the driver's single handle on
-the running system; launch.py calls its few verbs (generate, score, sync, checkpoint, close).
+workers, the RolloutManager, the WeightSyncCoordinator and the metric sinks. `Cluster` is the driver's
+single handle on the running system; launch.py calls its few verbs (start_rollouts, release, next_batch,
+train, sync, checkpoint, close). The driver holds metadata and object references, never a step's tokens.
 """
 from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import ray
@@ -16,12 +18,13 @@ from actors.coordinator import WeightSyncCoordinator
 from actors.placement import allocate
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor, sampling_params
+from actors.rollout_manager import RolloutManager
 from actors.trainer import TrainerGroup
 from rlhf_orch.checkpoint import (checkpoint_dir, latest_tag, mark_latest, read_rl_state, truncate_metrics,
                                   write_rl_state)
 from rlhf_orch.config import engine_names
-from rlhf_orch.errors import EngineError, RewardError, WeightSyncError
-from rlhf_orch.rollout_utils import split_evenly
+from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError
+from rlhf_orch.metrics.timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -55,23 +58,27 @@ def engine_env(env: dict, ecfg) -> dict:
 
 class Cluster:
     @classmethod
-    def start(cls, cfg, run_dir: Path, model_path: str) -> "Cluster":
+    def start(cls, cfg, run_dir: Path, model_path: str, dataset, pad_id: int) -> "Cluster":
         """Everything up and the sync plan made; on any failure, what was started is torn down first."""
         self = cls()
         self.cfg, self.run_dir, self.timeout = cfg, Path(run_dir), cfg.ray.get_timeout_s
         self.placement, self.sinks, self.started_ray = None, None, False
         self.trainers, self.coordinator, self.engines, self.rewarders = None, None, {}, []
+        self.rollouts, self.final_ledger = None, {}
+        self.timeline = Timeline()
+        r = cfg.rollout
+        self.pause_mode = "keep" if r.partial_rollouts else r.running_requests
         self.colocation: Colocation | None = None
         self.history: list[dict] = []
         self.resume_from: tuple[str, dict, dict] | None = None   # (tag, rl_state, tensors) when resuming
         try:
-            self._build(model_path)
+            self._build(model_path, dataset, pad_id)
         except BaseException:
             self.close([], {})
             raise
         return self
 
-    def _build(self, model_path: str) -> None:
+    def _build(self, model_path: str, dataset, pad_id: int) -> None:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
@@ -115,7 +122,9 @@ class Cluster:
                    clip_eps_high=cfg.algorithm.clip_eps_high, kl_coef=cfg.algorithm.kl_coef,
                    kl_estimator=cfg.algorithm.kl_estimator, temperature=cfg.engines[0].sampling.temperature,
                    ppo_epochs=cfg.trainer.ppo_epochs, seed=cfg.experiment.seed,
-                   micro_batch_size=cfg.trainer.micro_batch_size, gradient_checkpointing=cfg.trainer.gradient_checkpointing)
+                   micro_batch_size=cfg.trainer.micro_batch_size, gradient_checkpointing=cfg.trainer.gradient_checkpointing,
+                   off_policy=cfg.algorithm.off_policy,
+                   off_policy_kwargs={k: getattr(cfg.algorithm, k) for k in ("tis_cap", "mis_low", "mis_high", "decoupled_cap")})
         # Engines first: vLLM sizes its memory from what is free when it starts, and a colocated trainer
         # allocating meanwhile would skew that; then colocated engines sleep while the trainer starts.
         get([e.device_ids.remote() for e in self.engines.values()], self.timeout, "engines to start", EngineError)
@@ -129,6 +138,13 @@ class Cluster:
             int(cfg.weight_sync.bucket_size_mb * 2**20), cfg.weight_sync.verify, cfg.weight_sync.timeout_s)
         info = get(self.coordinator.setup.remote(), cfg.weight_sync.timeout_s, "weight-sync setup", WeightSyncError)
         self.plan = info["plan"]
+        a, r = cfg.algorithm, cfg.rollout
+        settings = dict(prompts_per_step=cfg.data.prompts_per_step, group_size=a.group_size, max_staleness=r.max_staleness,
+                        dispatch_groups=r.dispatch_groups, filter_groups=r.filter_groups, filter_max_draws=r.filter_max_draws,
+                        algorithm=a.name, norm_adv_by_std=a.norm_adv_by_std, pad_id=pad_id, num_ranks=cfg.trainer.num_ranks)
+        params = {n: sampling_params(self.sampling[n], a.group_size) for n in self.engines}
+        self.rollouts = RolloutManager.options(name=f"{name}-rollouts", runtime_env={"env_vars": env}).remote(
+            self.engines, self.rewarders, dataset, params, settings, self.timeline.t0)
         logger.info("cluster up: %d trainer ranks, engines %s, sync plan %s", cfg.trainer.num_ranks, list(self.engines), self.plan)
 
     def _sinks(self):
@@ -145,27 +161,34 @@ class Cluster:
             sinks.append(RayMetricsSink(experiment=self.cfg.experiment.name))
         return MultiSink(sinks)
 
-    def generate(self, prompts, group_size: int):
-        """Every prompt `group_size` times, prompts split evenly over engines; returns (samples, seconds)."""
-        import time
-        t0 = time.perf_counter()
-        chunks = split_evenly(prompts, len(self.engines))
-        refs = [(chunk, self.engines[n].generate.remote([p.token_ids for p in chunk], sampling_params(self.sampling[n], group_size)))
-                for n, chunk in zip(self.engines, chunks) if chunk]
-        results = get([r for _, r in refs], self.timeout, "engines to generate", EngineError)
-        samples = []
-        for (chunk, _), (part, _stats) in zip(refs, results):
-            for s in part:
-                s.prompt_index = chunk[s.prompt_index].index   # engine-local index -> step-wide group id
-                samples.append(s)
-        samples.sort(key=lambda s: s.prompt_index)
-        return samples, time.perf_counter() - t0
+    # ---- rollouts (the manager owns them; the driver holds metadata and object refs) -----------------
+    def _rget(self, ref, what: str, timeout: float | None = None):
+        return get(ref, timeout or self.timeout, what, RolloutError)
 
-    def score(self, samples, prompts) -> list[float]:
-        items = [(s.text, prompts[s.prompt_index].row) for s in samples]
-        parts = split_evenly(items, len(self.rewarders))
-        out = get([r.score.remote(p) for r, p in zip(self.rewarders, parts)], self.timeout, "reward workers", RewardError)
-        return [x for part in out for x in part]
+    def start_rollouts(self, first_step: int, version: int, resumed: dict | None) -> None:
+        """The manager serves steps first_step.. with engines at `version`; a resumed run's untrained draws first."""
+        pending = (resumed or {}).get("rollout", {}).get("pending")
+        if resumed:
+            get(self.rollouts.restore_data.remote(resumed["data"]), self.timeout, "rollout manager", RolloutError)
+        self._rget(self.rollouts.start.remote(first_step, self.cfg.experiment.steps, version, pending), "rollout manager to start")
+
+    def release(self, version: int) -> None:
+        """Engines hold `version` (synced and checkpointed): the manager may start groups that need it."""
+        self._rget(self.rollouts.set_version.remote(version), "rollout manager")
+
+    def next_batch(self, step: int):
+        """(metadata, per-rank object refs) of step `step`; waits for its groups (generation + rewards)."""
+        meta, refs = self._rget(self.rollouts.next_batch.remote(step, self.timeout), f"the batch of step {step}",
+                                self.timeout + 30)
+        self.timeline.extend(meta.pop("events"))
+        return meta, refs
+
+    def train(self, meta: dict, refs: list) -> dict:
+        with self.timeline.span("trainer", "train"):
+            return self.trainers.step_shards("train_step", refs, meta["tokens"])
+
+    def rollout_state(self) -> dict:
+        return self._rget(self.rollouts.state.remote(), "rollout manager state")
 
     def to_generate(self) -> dict:
         """Colocation: trainers offload, sleeping engines take their KV cache back (no-op otherwise)."""
@@ -178,14 +201,20 @@ class Cluster:
     def sync(self, version: int) -> dict:
         """Push the trainer's weights into every engine as `version` (in the train phase)."""
         wake = self.colocation.wake_weights()
-        out = get(self.coordinator.sync.remote(version), self.cfg.weight_sync.timeout_s, f"weight sync v{version}", WeightSyncError)
+        with self.timeline.span("weight-sync", "sync", version=version):
+            out = get(self.coordinator.sync.remote(version, self.pause_mode), self.cfg.weight_sync.timeout_s,
+                      f"weight sync v{version}", WeightSyncError)
         return {**out, **wake}
 
-    def checkpoint(self, step: int, data_state: dict) -> None:
+    def checkpoint(self, step: int, rollout_state: dict) -> None:
         """DeepSpeed state of every rank, the RL state (step, version, data cursor, engine RNG) and an HF
         export; `latest` is moved last, so an interrupted save leaves the previous checkpoint in charge."""
         ckpt = checkpoint_dir(self.run_dir)
         tag = f"step{step}"
+        with self.timeline.span("trainer", "checkpoint"):
+            self._write_checkpoint(ckpt, tag, step, rollout_state)
+
+    def _write_checkpoint(self, ckpt: Path, tag: str, step: int, rollout_state: dict) -> None:
         self.trainers.call("save_checkpoint", str(ckpt), tag, {"step": step})
         rngs = {}
         for n, e in self.engines.items():
@@ -193,7 +222,9 @@ class Cluster:
                 rngs[n] = get(e.rng_state.remote(), self.timeout, f"engine {n} RNG state", EngineError)
             except EngineError as err:
                 logger.warning("checkpoint %s without engine %s's sampling RNG: %s", tag, n, str(err).splitlines()[0])
-        write_rl_state(ckpt / tag, {"step": step, "weight_version": step, "data": data_state},
+        # The data cursor is after every draw; draws not yet trained (max_staleness >= 1) are re-queued on resume.
+        write_rl_state(ckpt / tag, {"step": step, "weight_version": step, "data": rollout_state["data"],
+                                    "rollout": {"pending": rollout_state["pending"], "ledger": rollout_state["ledger"]}},
                        {f"engine_rng/{n}": r for n, r in rngs.items() if r is not None})
         if self.cfg.trainer.export_hf:
             self.trainers.call("export_hf", str(ckpt / tag / "hf"))
@@ -228,19 +259,46 @@ class Cluster:
         for a in [*self.engines.values(), *trainers, *self.rewarders, *([self.coordinator] if self.coordinator else [])]:
             ray.kill(a)
 
-    def close(self, records: list[dict], data_state: dict) -> None:
-        """Always runs: final checkpoint if the trainers are alive, plots, sinks closed, Ray shut down."""
+    def _stop_rollouts(self) -> None:
+        """Collect the manager's last timeline events and ledger, then stop it (before the engines go)."""
+        self.final_ledger = {}
+        if self.rollouts is None:
+            return
+        try:
+            self.timeline.extend(ray.get(self.rollouts.events.remote(), timeout=30))
+            self.final_ledger = ray.get(self.rollouts.ledger.remote(), timeout=30)
+        except Exception as e:
+            logger.warning("rollout manager did not report its ledger: %s", str(e).splitlines()[0])
+        ray.kill(self.rollouts)
+
+    def _write_timeline(self, records: list[dict]) -> None:
+        from rlhf_orch.metrics import plot_staleness, plot_timeline
+        path = self.run_dir / "timeline.jsonl"
+        path.unlink(missing_ok=True)   # one file per (re)start: times are relative to that start
+        self.timeline.write_jsonl(path)
+        if self.cfg.metrics.plots:
+            plot_timeline(self.timeline.events, self.run_dir / "plots" / "timeline.png")
+            plot_staleness(records, self.run_dir / "plots" / "staleness.png")
+
+    def close(self, records: list[dict], rollout_state: dict | None) -> None:
+        """Always runs: final checkpoint if the trainers are alive, plots, sinks closed, Ray shut down.
+        `rollout_state` is the manager's state after the last completed step (what a resume needs)."""
         try:
             if records and self.colocation is not None:
                 self.colocation.to_train()   # a run failing mid-generate: give the trainer its GPU back first
         except Exception as e:
             logger.warning("could not put engines to sleep before the final checkpoint: %s", str(e).splitlines()[0])
         try:
-            if records:
-                self.checkpoint(int(records[-1]["step"]), data_state)
+            if records and rollout_state:
+                self.checkpoint(int(records[-1]["step"]), rollout_state)
         except Exception as e:  # a dead trainer must not hide the metrics already written
             logger.warning("final checkpoint failed: %s", e)
+        self._stop_rollouts()
         self._shutdown_actors()
+        try:
+            self._write_timeline(records)
+        except Exception as e:   # plots must never hide the run's result
+            logger.warning("timeline not written: %s", e)
         if self.sinks is not None:
             self.sinks.close()
         if self.cfg.metrics.plots and records:

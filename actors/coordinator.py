@@ -68,13 +68,14 @@ class WeightSyncCoordinator:
         return {"plan": self.plan.summary(), "buckets": len(self.layouts), "tensors": len(specs),
                 "bytes": nbytes, "setup_s": time.perf_counter() - t0}
 
-    def sync(self, version: int) -> dict:
-        """One full sync to `version`; returns flat `sync/` metrics. Raises WeightSyncError on mismatch."""
+    def sync(self, version: int, pause_mode: str = "wait") -> dict:
+        """One full sync to `version`; returns flat `sync/` metrics. Raises WeightSyncError on mismatch.
+        `pause_mode` is how engines treat running requests (engines/base.py): "keep" for partial rollouts."""
         if version <= self.version:
             raise WeightSyncError(f"sync version {version} is not newer than {self.version}")
         t0 = time.perf_counter()
         names = list(self.engines)
-        self._get([self.engines[n].pause.remote() for n in names], "engines to pause")
+        self._get([self.engines[n].pause.remote(pause_mode) for n in names], f"engines to pause ({pause_mode})")
         t_pause = time.perf_counter()
         send_refs = [t.send_weights.remote(version) for t in self.trainers]
         bcast = self.plan.broadcast_engines

@@ -3,9 +3,14 @@
 The actor builds the engine by `kind` through the lazy registry, forwards generate/pause/resume,
 and owns the engine's `WeightReceiver` (ipc or broadcast end). Engines whose workers live in other
 processes (vLLM, SGLang) run their receivers inside those workers; the hf engine runs it here.
+
+The actor is threaded: the rollout manager keeps generate calls in flight while the coordinator pauses,
+syncs and resumes the engine from other threads. A gate makes generate calls that arrive during a sync
+wait for its end (instead of failing), and serialises them for engines that take one batch at a time.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import ray
@@ -15,7 +20,7 @@ from rlhf_orch.engines import SamplingParams, engine_class
 from rlhf_orch.weight_sync import WeightReceiver
 
 
-@ray.remote
+@ray.remote(max_concurrency=64)
 class RolloutActor:
     def __init__(self, name: str, kind: str, device: str, device_id: str, kwargs: dict):
         setup_process(device)
@@ -24,6 +29,10 @@ class RolloutActor:
         self.engine = cls(name=name, device=device, device_id=device_id, **kwargs)
         self.receiver = None
         self.verify = True
+        self._gate = threading.Condition()
+        self._syncing = False
+        self._active = 0   # generate calls inside the engine
+        self._concurrent = bool(getattr(self.engine, "concurrent_generate", False))
 
     def device_ids(self) -> list[str]:
         return self.engine.device_ids()
@@ -32,11 +41,20 @@ class RolloutActor:
         return self.engine.weight_version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams):
-        t0 = time.perf_counter()
-        samples = self.engine.generate(prompts, params)
-        secs = time.perf_counter() - t0
+        with self._gate:
+            while self._syncing or (self._active and not self._concurrent):
+                self._gate.wait()
+            self._active += 1
+        try:
+            start, t0 = time.time(), time.perf_counter()
+            samples = self.engine.generate(prompts, params)
+            secs = time.perf_counter() - t0
+        finally:
+            with self._gate:
+                self._active -= 1
+                self._gate.notify_all()
         tokens = sum(len(s.response_ids) for s in samples)
-        return samples, {"tokens": tokens, "seconds": secs}
+        return samples, {"tokens": tokens, "seconds": secs, "start": start, "end": start + secs}
 
     # ---- weight sync ----------------------------------------------------------------------------
     def setup_receiver(self, layouts, group: dict | None, rank: int, verify: bool, timeout_s: float) -> float:
@@ -69,11 +87,23 @@ class RolloutActor:
         if callable(fn) and state is not None:
             fn(state)
 
-    def pause(self) -> None:
-        self.engine.pause()
+    def pause(self, mode: str = "wait") -> float:
+        """Close the gate, then pause the engine: "wait" lets running calls finish first, "keep" parks them
+        between decode steps, "abort" ends them (they return their groups as aborted). Returns seconds."""
+        t0 = time.perf_counter()
+        with self._gate:
+            self._syncing = True
+            if mode == "wait":
+                while self._active:
+                    self._gate.wait()
+        self.engine.pause(mode)
+        return time.perf_counter() - t0
 
     def resume(self) -> None:
         self.engine.resume()
+        with self._gate:
+            self._syncing = False
+            self._gate.notify_all()
 
     def finish_sync(self, version: int) -> None:
         self.engine.finish_sync(version)

@@ -115,6 +115,20 @@ class TrainerActor:
             dist.destroy_process_group()
 
 
+def _average(results: list[dict]) -> dict[str, float]:
+    """Per-rank metrics -> one: max for *_max, sums for *_sum and token counts, means for the rest."""
+    out: dict[str, float] = {}
+    for key in results[0]:
+        vals = [r[key] for r in results]
+        if key.endswith("_max"):
+            out[key] = max(vals)
+        elif key.endswith("_sum") or key.endswith("tokens"):
+            out[key] = sum(vals)
+        else:
+            out[key] = sum(vals) / len(vals)
+    return out
+
+
 class TrainerGroup:
     """Driver-side handle on all trainer ranks (not an actor)."""
 
@@ -147,18 +161,14 @@ class TrainerGroup:
         """Run `train_step` or `sft_step` on every rank's shard; metrics averaged (max for *_max, summed counts)."""
         tokens = float(batch.response_mask.sum())
         shards = shard(batch, len(self.actors))
+        return self.step_shards(method, shards, tokens)
+
+    def step_shards(self, method: str, shards: list, tokens: float) -> dict:
+        """Like `step`, for a batch already split per rank (object refs from the rollout manager: the
+        tensors go from the object store to each rank without passing through the driver)."""
         results = get([getattr(a, method).remote(s, tokens) for a, s in zip(self.actors, shards)],
                       self.timeout_s, f"trainer {method}", TrainerError)
-        out: dict[str, float] = {}
-        for key in results[0]:
-            vals = [r[key] for r in results]
-            if key.endswith("_max"):
-                out[key] = max(vals)
-            elif key.endswith("_sum") or key.endswith("tokens"):
-                out[key] = sum(vals)
-            else:
-                out[key] = sum(vals) / len(vals)
-        return out
+        return _average(results)
 
     def call(self, method: str, *args):
         return self._all(f"trainer {method}", method, *args)

@@ -43,3 +43,7 @@ class WeightSyncError(RLHFOrchError):
 
 class TrainerError(RLHFOrchError):
     """The trainer failed to initialise or to take a step."""
+
+
+class RolloutError(RLHFOrchError):
+    """The rollout manager cannot fill a batch (staleness bound, filtering cap) or lost track of a group."""

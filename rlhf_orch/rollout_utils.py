@@ -25,11 +25,14 @@ def split_evenly(items: Sequence, parts: int) -> list[list]:
     return out
 
 
-def check_versions(samples: Sequence[Sample], expected: int) -> None:
-    """Never train on stale weights: every sample must come from the version just synced."""
-    stale = {(s.engine, s.weight_version) for s in samples if s.weight_version != expected}
+def check_versions(samples: Sequence[Sample], expected: int, max_staleness: int = 0) -> None:
+    """Never train on weights staler than allowed: every token of every sample must come from a version in
+    [expected - max_staleness, expected] (`expected` is the version being trained; 0 staleness: exactly it)."""
+    lo = expected - max_staleness
+    stale = {(s.engine, v) for s in samples for v in (s.min_version, s.max_version) if not lo <= v <= expected}
     if stale:
-        raise EngineError(f"rollouts generated with stale weights {sorted(stale)} (expected version {expected}); "
+        allowed = f"version {expected}" if not max_staleness else f"versions {lo}..{expected} (rollout.max_staleness={max_staleness})"
+        raise EngineError(f"rollouts generated with stale weights {sorted(stale)} (expected {allowed}); "
                           "an engine missed a sync")
 
 

@@ -23,6 +23,7 @@ class Prompt:
     text: str
     token_ids: list[int]
     row: dict[str, Any]
+    source: tuple[int, int] = (-1, -1)   # (epoch, dataset row): which draw this is, for the ledger
 
 
 @dataclass
@@ -34,10 +35,25 @@ class Sample:
     response_ids: list[int]
     logprobs: list[float]      # engine's logprob of each response token under its sampling temperature
     finish_reason: str         # "stop" (EOS or stop string) or "length"
-    weight_version: int        # version of the weights that generated it (checked by the driver)
+    weight_version: int        # version of the weights when generation started (the oldest of its tokens)
     engine: str = ""
     text: str = ""
     reward: float = 0.0
+    # Version of the weights that produced each response token. A response can span an in-flight weight
+    # update (rollout.partial_rollouts), so later tokens may carry a newer version. Empty: all weight_version.
+    token_versions: list[int] = field(default_factory=list)
+
+    @property
+    def versions(self) -> list[int]:
+        return self.token_versions or [self.weight_version] * len(self.response_ids)
+
+    @property
+    def min_version(self) -> int:
+        return min(self.token_versions) if self.token_versions else self.weight_version
+
+    @property
+    def max_version(self) -> int:
+        return max(self.token_versions) if self.token_versions else self.weight_version
 
 
 @dataclass

@@ -60,6 +60,14 @@ class AlgorithmSection(_Section):
     kl_coef: float = Field(0.0, ge=0, description="Weight of KL(policy || frozen reference) in the loss; 0 disables the reference.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator used in the loss and in metrics.")
     norm_adv_by_std: bool = Field(True, description="grpo only: divide by the group std (False: Dr.GRPO-style centring).")
+    off_policy: Literal["none", "tis", "mis", "decoupled"] = Field("none", description="Correction for samples "
+        "the engine drew from another policy (stale weights, kernel mismatch): none; tis (truncated importance "
+        "weights, cap tis_cap); mis (tokens whose weight leaves [mis_low, mis_high] are masked); decoupled "
+        "(AReaL's decoupled PPO: clip against the trainer's proximal policy, weight by proximal/behaviour, mask above decoupled_cap).")
+    tis_cap: float = Field(2.0, ge=1, description="tis: importance weights are truncated at this value.")
+    mis_low: float = Field(0.5, ge=0, lt=1, description="mis: tokens with importance weight below this are masked.")
+    mis_high: float = Field(2.0, gt=1, description="mis: tokens with importance weight above this are masked.")
+    decoupled_cap: float = Field(5.0, gt=1, description="decoupled: tokens whose behaviour importance weight exceeds this are masked.")
 
 
 class TrainerSection(_Section):
@@ -126,6 +134,23 @@ EngineConfig = Annotated[Union[HFEngineConfig, VLLMEngineConfig, SGLangEngineCon
 ENGINE_KINDS = ("hf", "vllm", "sglang")
 
 
+class RolloutSection(_Section):
+    max_staleness: int = Field(0, ge=0, description="Most policy versions a trained token may lag the trained "
+                               "weights. 0: on-policy, the synchronous loop exactly; k >= 1: engines generate for later "
+                               "steps while the trainer trains.")
+    partial_rollouts: bool = Field(False, description="At a weight sync, park running requests between decode steps "
+                                   "and continue them with the new weights (their later tokens carry the new version). "
+                                   "Needs max_staleness >= 1 and engines that can pause mid-request.")
+    running_requests: Literal["wait", "abort"] = Field("wait", description="Without partial rollouts: at a weight sync, "
+                                                       "let running requests finish (wait) or abort and re-queue them (abort).")
+    dispatch_groups: int = Field(0, ge=0, description="Prompt groups per generate call (0: prompts_per_step / number of "
+                                 "engines, one call per engine per step).")
+    filter_groups: bool = Field(False, description="Dynamic sampling: drop groups whose rewards are all equal (no GRPO "
+                                "signal) and draw more prompts until the step's batch is full.")
+    filter_max_draws: float = Field(3.0, ge=1, description="filter_groups: at most this many prompts drawn per prompt "
+                                    "trained (a step that hits the cap trains on fewer groups).")
+
+
 class WeightSyncSection(_Section):
     transport: Literal["auto", "ipc", "broadcast"] = Field("auto", description="auto: ipc for engines on trainer devices, broadcast otherwise.")
     bucket_size_mb: float = Field(256, gt=0, description="Flattened bucket size in MiB.")
@@ -150,6 +175,7 @@ class ExperimentConfig(_Section):
     reward: RewardSection = Field(default_factory=RewardSection, description="Reward function.")
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection, description="RL algorithm.")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="DeepSpeed trainer group.")
+    rollout: RolloutSection = Field(default_factory=RolloutSection, description="Streaming rollouts and staleness.")
     engines: list[EngineConfig] = Field(min_length=1, description="Rollout engines, one entry per kind/placement.")
     weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection, description="Weight sync.")
     metrics: MetricsSection = Field(default_factory=MetricsSection, description="Metric outputs.")
@@ -200,10 +226,35 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
             p.append(f"engines.{i}.sleep_level: only colocated engines sleep (they share the trainer's GPU); set it to 0")
         if e.sleep_level and e.kind == "vllm" and not e.enable_sleep_mode:
             p.append(f"engines.{i}.sleep_level: vLLM sleeps only with enable_sleep_mode: true; set it or sleep_level: 0")
+    p.extend(rollout_problems(cfg))
     if cfg.trainer.offload and cfg.trainer.zero_stage == 0:
         p.append("trainer.offload: offloading moves ZeRO's optimizer partitions; set trainer.zero_stage to 1, 2 or 3")
     if cfg.trainer.bf16 and cfg.trainer.device == "cpu":
         p.append("trainer.bf16: bf16 training is for cuda here; set trainer.bf16: false or trainer.device: cuda")
+    return p
+
+
+PARTIAL_ROLLOUT_KINDS = ("hf",)   # engine kinds whose decode loop can park mid-request (engines/base.py)
+
+
+def rollout_problems(cfg: ExperimentConfig) -> list[str]:
+    r, p = cfg.rollout, []
+    if r.partial_rollouts and r.max_staleness == 0:
+        p.append("rollout.partial_rollouts: with max_staleness 0 no request runs while weights change; "
+                 "set rollout.max_staleness >= 1 or partial_rollouts: false")
+    if r.partial_rollouts:
+        for i, e in enumerate(cfg.engines):
+            if e.kind not in PARTIAL_ROLLOUT_KINDS:
+                p.append(f"rollout.partial_rollouts: engines.{i} (kind {e.kind}) cannot pause between decode steps here; "
+                         f"use kind {' or '.join(PARTIAL_ROLLOUT_KINDS)}, or set partial_rollouts: false")
+    if r.max_staleness:
+        for i, e in enumerate(cfg.engines):
+            if e.sleep_level:
+                p.append(f"engines.{i}.sleep_level: a sleeping colocated engine cannot generate while the trainer "
+                         "trains, so rollout.max_staleness >= 1 gains nothing; set sleep_level: 0 or max_staleness: 0")
+    if r.filter_groups and cfg.algorithm.group_size < 2:
+        p.append("rollout.filter_groups: a group of one sample has no reward spread to filter on; "
+                 "set algorithm.group_size >= 2 or filter_groups: false")
     return p
 
 

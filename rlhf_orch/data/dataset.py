@@ -94,9 +94,12 @@ class PromptDataset:
         return len(self.rows)
 
     def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.rows)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
+        # Cached: the rollout manager draws one prompt at a time.
+        if getattr(self, "_order_cache", (None,))[0] != (self.seed, epoch):
+            order = list(range(len(self.rows)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._order_cache = ((self.seed, epoch), order)
+        return self._order_cache[1]
 
     def next_batch(self, n: int) -> list[Prompt]:
         """The next `n` prompts, crossing epoch boundaries (each epoch reshuffled) as needed."""
@@ -105,11 +108,18 @@ class PromptDataset:
             order = self._order(self.cursor.epoch)
             take = order[self.cursor.offset:self.cursor.offset + (n - len(out))]
             for i in take:
-                out.append(Prompt(index=len(out), text=self.rows[i]["prompt"], token_ids=self.token_ids[i], row=self.rows[i]))
+                out.append(Prompt(index=len(out), text=self.rows[i]["prompt"], token_ids=self.token_ids[i], row=self.rows[i],
+                                  source=(self.cursor.epoch, i)))
             self.cursor.offset += len(take)
             if self.cursor.offset >= len(order):
                 self.cursor = Cursor(self.cursor.epoch + 1, 0)
         return out
+
+    def prompt(self, source: tuple[int, int], index: int = 0) -> Prompt:
+        """The prompt of an earlier draw (a re-queued group after a resume)."""
+        i = int(source[1])
+        return Prompt(index=index, text=self.rows[i]["prompt"], token_ids=self.token_ids[i], row=self.rows[i],
+                      source=(int(source[0]), i))
 
     def state(self) -> dict:
         return {"epoch": self.cursor.epoch, "offset": self.cursor.offset, "seed": self.seed}

@@ -6,11 +6,17 @@ track the weight version they hold and stamp it on every sample, so the driver c
 rollouts. `pause()`/`resume()` bracket a sync: a paused engine refuses to generate.
 
 `EngineLifecycle` is the pause/sleep bookkeeping every engine kind shares (what an engine in each state
-refuses, and the tag checks of `wake_up`). This module defines the contract only; it imports no engine
-library.
+refuses, and the tag checks of `wake_up`), and the three ways to pause around a weight sync:
+  wait   let running requests finish, then pause (the default; the synchronous loop);
+  keep   park running requests between two decode steps, keeping their tokens and KV cache; after the
+         sync they continue with the new weights, and their later tokens carry the new version
+         (`rollout.partial_rollouts`);
+  abort  stop running requests now; they return with finish_reason "abort" and the caller re-queues them.
+This module defines the contract only; it imports no engine library.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
@@ -21,6 +27,7 @@ from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
 
 WAKE_TAGS = ("weights", "kv_cache")
+PAUSE_MODES = ("wait", "keep", "abort")
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,8 @@ class RolloutEngine(Protocol):
     def checksums(self, names: list[str]) -> list[int]:
         """Checksums (weight_sync.buckets.checksums) of the engine's own copy of `names`."""
 
-    def pause(self) -> None: ...
+    def pause(self, mode: str = "wait") -> None:
+        """Stop generating for a sync (see PAUSE_MODES); returns once running requests are done/parked/aborted."""
 
     def resume(self) -> None: ...
 
@@ -59,15 +67,22 @@ class RolloutEngine(Protocol):
 
 class EngineLifecycle:
     """Pause and sleep state of an engine: paused (a sync is running) or asleep (memory released for a
-    colocated trainer, per tag). Engines call `_init_lifecycle()` in __init__ and `_check_can_generate()`
-    first in generate; `_lock` is held by generate, so `pause()` waits for an in-flight batch."""
+    colocated trainer, per tag). Engines call `_init_lifecycle()` in __init__, `_check_can_generate()` first
+    in generate, hold `_lock` around a batch (so a "wait" pause waits for it), wrap their decode loop in
+    `_decoding()` and call `_between_steps()` before every decode forward (so "keep" and "abort" pauses act
+    between two steps)."""
 
     name: str
+    supports_partial_rollouts = False   # engines whose decode loop honours keep/abort set True
 
     def _init_lifecycle(self) -> None:
         self._paused = False
         self._asleep: set[str] = set()
         self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._pause_mode: str | None = None
+        self._running = 0      # decode loops in progress
+        self._parked = 0       # of which parked by a "keep" pause
 
     def _check_can_generate(self) -> None:
         if self._paused:
@@ -87,12 +102,47 @@ class EngineLifecycle:
             raise EngineError(f"engine {self.name}: unknown wake_up tags {bad}; use {list(WAKE_TAGS)}")
         return [t for t in tags if t in self._asleep]
 
-    def pause(self) -> None:
-        with self._lock:   # waits for an in-flight generate to finish
-            self._paused = True
+    @contextlib.contextmanager
+    def _decoding(self):
+        with self._cond:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    def _between_steps(self) -> bool:
+        """Called by a decode loop before each forward. Parks while a "keep" pause lasts; False: abort now."""
+        with self._cond:
+            if self._pause_mode == "keep":
+                self._parked += 1
+                self._cond.notify_all()
+                while self._pause_mode == "keep":
+                    self._cond.wait()
+                self._parked -= 1
+            return self._pause_mode != "abort"
+
+    def pause(self, mode: str = "wait") -> None:
+        if mode not in PAUSE_MODES:
+            raise EngineError(f"engine {self.name}: unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
+        if mode != "wait" and not self.supports_partial_rollouts:
+            raise EngineError(f"engine {self.name}: pause mode {mode!r} is not supported by this engine kind; use 'wait'")
+        if mode == "wait":
+            with self._lock:   # waits for an in-flight generate to finish
+                self._paused = True
+            return
+        with self._cond:
+            self._paused, self._pause_mode = True, mode
+            # keep: every running loop parked; abort: every running loop gone
+            while self._running and (self._parked < self._running if mode == "keep" else True):
+                self._cond.wait()
 
     def resume(self) -> None:
-        self._paused = False
+        with self._cond:
+            self._paused, self._pause_mode = False, None
+            self._cond.notify_all()
 
     def is_asleep(self) -> bool:
         return bool(self._asleep)

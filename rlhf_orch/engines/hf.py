@@ -10,6 +10,10 @@ meaning: level 1 moves them to CPU memory, level 2 drops them; waking re-allocat
 filled with NaN, so a wake without the sync that must follow cannot go unnoticed). There is no
 persistent KV cache, so the "kv_cache" tag only records state.
 
+A "keep" pause parks the decode loop between two steps (its KV cache, computed with the old weights, is
+kept); tokens sampled after the sync carry the new version in `Sample.token_versions`. An "abort" pause
+returns the batch at once with finish_reason "abort".
+
 It does not do continuous batching, paged KV caches or tensor parallelism: use vLLM for speed.
 """
 from __future__ import annotations
@@ -28,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 class HFEngine(EngineLifecycle):
+    supports_partial_rollouts = True
     def __init__(self, name: str, model_path: str, device: str = "cpu", dtype: str = "float32",
                  device_id: str = "", max_batch_size: int = 256, seed: int = 0):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -62,7 +67,7 @@ class HFEngine(EngineLifecycle):
         self._check_can_generate()
         flat = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         out: list[Sample] = []
-        with self._lock:
+        with self._lock, self._decoding():
             for start in range(0, len(flat), self.max_batch_size):
                 out.extend(self._generate_batch(flat[start:start + self.max_batch_size], params))
         return out
@@ -78,39 +83,49 @@ class HFEngine(EngineLifecycle):
         # Sampling by hand (not model.generate) keeps the logprobs exactly log_softmax(logits / T) and
         # lets us use our own RNG, so a seeded run is reproducible whatever else shares the process.
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        aborted = not self._between_steps()
+        version = self.weight_version      # the weights that compute the next logits
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         past = out.past_key_values
         logits = out.logits[:, -1].float()
         done = torch.zeros(len(items), dtype=torch.bool, device=self.device)
-        tokens, logps = [], []
+        tokens, logps, versions = [], [], []
         next_pos = pos[:, -1:] + 1
         for step in range(params.max_new_tokens):
+            if aborted:
+                break
             logp = torch.log_softmax(logits / params.temperature, dim=-1)
             tok = self._sample(logp, params.top_p)
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             tokens.append(tok)
             logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
+            versions.append(version)
             if not params.ignore_eos:
                 done |= tok == self.eos_id
             if bool(done.all()) or step + 1 == params.max_new_tokens:
                 break
+            if not self._between_steps():   # an "abort" pause: hand the batch back unfinished
+                aborted = True
+                break
+            version = self.weight_version
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
                              past_key_values=past, use_cache=True)
             past, logits, next_pos = out.past_key_values, out.logits[:, -1].float(), next_pos + 1
-        toks = torch.stack(tokens, 1).tolist()
-        lps = torch.stack(logps, 1).tolist()
+        toks = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in items]
+        lps = torch.stack(logps, 1).tolist() if logps else [[] for _ in items]
         samples = []
         for row, (pi, p) in enumerate(items):
-            resp, lp = toks[row], lps[row]
+            resp, lp, ver = toks[row], lps[row], list(versions)
             if self.eos_id in resp and not params.ignore_eos:
                 cut = resp.index(self.eos_id) + 1
-                resp, lp, reason = resp[:cut], lp[:cut], "stop"
+                resp, lp, ver, reason = resp[:cut], lp[:cut], ver[:cut], "stop"
             else:
-                reason = "length"
+                reason = "abort" if aborted else "length"
             samples.append(Sample(prompt_index=pi, prompt_ids=p, response_ids=resp, logprobs=lp,
-                                  finish_reason=reason, weight_version=self.weight_version, engine=self.name,
-                                  text=self.tokenizer.decode(resp, skip_special_tokens=True)))
+                                  finish_reason=reason, weight_version=ver[0] if ver else self.weight_version,
+                                  engine=self.name, text=self.tokenizer.decode(resp, skip_special_tokens=True),
+                                  token_versions=ver))
         return samples
 
     def _sample(self, logp: torch.Tensor, top_p: float) -> torch.Tensor:

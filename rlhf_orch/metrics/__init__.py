@@ -17,6 +17,7 @@ from rlhf_orch.metrics.sinks import (
     gauge_name,
     read_jsonl,
 )
+from rlhf_orch.metrics.timeline import Timeline, plot_staleness, plot_timeline
 from rlhf_orch.metrics.timer import PhaseTimer
 
 __all__ = [
@@ -26,7 +27,10 @@ __all__ = [
     "PhaseTimer",
     "RayMetricsSink",
     "TensorBoardSink",
+    "Timeline",
     "gauge_name",
     "plot_run",
+    "plot_staleness",
+    "plot_timeline",
     "read_jsonl",
 ]

@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 
 from rlhf_orch.algorithms import aggregate_token_loss, kl_divergence, masked_mean, policy_loss
+from rlhf_orch.algorithms.off_policy import off_policy_weights
 from rlhf_orch.errors import TrainerError
 from rlhf_orch.types import ParamSpec, TrainBatch, dtype_from_name
 
@@ -50,7 +51,8 @@ class DeepSpeedTrainer:
                  lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float = 1.0, bf16: bool = False,
                  clip_eps: float = 0.2, clip_eps_high: float | None = None, kl_coef: float = 0.0,
                  kl_estimator: str = "k3", temperature: float = 1.0, ppo_epochs: int = 1, seed: int = 0,
-                 micro_batch_size: int = 0, gradient_checkpointing: bool = False):
+                 micro_batch_size: int = 0, gradient_checkpointing: bool = False, off_policy: str = "none",
+                 off_policy_kwargs: dict | None = None):
         import deepspeed
         from transformers import AutoModelForCausalLM
 
@@ -60,6 +62,7 @@ class DeepSpeedTrainer:
         self.kl_coef, self.kl_estimator = kl_coef, kl_estimator
         self.temperature, self.ppo_epochs = temperature, ppo_epochs
         self.micro_batch_size = micro_batch_size
+        self.off_policy, self.off_policy_kwargs = off_policy, dict(off_policy_kwargs or {})
         torch.manual_seed(seed)
         backend = "nccl" if device == "cuda" else "gloo"
         if device == "cuda":
@@ -163,7 +166,10 @@ class DeepSpeedTrainer:
         if self.kl_coef > 0:
             with torch.no_grad():
                 ref = self._logprobs(self.ref_model, batch)
+        if self.ppo_epochs > 1 and batch.old_logprobs is None:
+            batch.old_logprobs = self.logprobs(batch)   # every epoch clips against the policy before the update
         old = batch.old_logprobs.to(self.device) if batch.old_logprobs is not None else None
+        eng = batch.engine_logprobs.to(self.device)
         metrics: dict[str, float] = {}
         self.engine.module.train()
         for epoch in range(self.ppo_epochs):
@@ -179,6 +185,10 @@ class DeepSpeedTrainer:
                 else:
                     old_mb = old[rows]
                 per_tok, m = policy_loss(lp, old_mb, madv, mmask, self.clip_eps, self.clip_eps_high)
+                if self.off_policy != "none":   # old = trainer (proximal), engine = behaviour policy
+                    weights, wm = off_policy_weights(old_mb, eng[rows], mmask, self.off_policy, **self.off_policy_kwargs)
+                    per_tok = per_tok * weights
+                    m.update(wm)
                 if ref is not None:
                     kl = kl_divergence(lp, ref[rows], self.kl_estimator)
                     per_tok = per_tok + self.kl_coef * kl * mmask
@@ -199,8 +209,7 @@ class DeepSpeedTrainer:
             gn = self.engine.get_global_grad_norm()
             metrics = _combine(parts)
             metrics["grad_norm"] = float(gn) if gn is not None else float("nan")
-        eng_lp = batch.engine_logprobs.to(self.device)
-        diff = (old - eng_lp).abs() * mask
+        diff = (old - eng).abs() * mask
         metrics["logprob_diff_sum"] = float(diff.sum())
         metrics["logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
         metrics["tokens"] = float(mask.sum())

@@ -1,0 +1,181 @@
+"""RolloutManager: the actor that owns the rollouts of a run.
+
+It holds the prompt stream, admits prompt groups as the staleness bound allows, dispatches whole groups to
+the engine with the least outstanding work, sends each finished chunk to the least-busy reward worker as soon
+as it returns (not at the end of the step), and keeps scored groups until a step takes them. The driver asks
+`next_batch(step)` and gets metadata plus one object reference per trainer rank: the token tensors go from
+here to the ranks through the object store, never through the driver.
+
+The decisions (admission, deadlines, dispatch, batch choice, ledger) are rlhf_orch.rollout.scheduler's; this
+shell only awaits engines and reward workers (an asyncio actor: one event loop, no locks). It does not
+restart dead engines: a failed generate call fails the next batch with the engine's own error.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+
+from actors.common import setup_process
+from rlhf_orch.errors import EngineError, RewardError, RLHFOrchError, RolloutError
+from rlhf_orch.metrics.timeline import Timeline
+from rlhf_orch.rollout import GroupScheduler
+from rlhf_orch.rollout.batching import assemble
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0)
+class RolloutManager:
+    def __init__(self, engines: dict, rewarders: list, dataset, params: dict, settings: dict, t0: float):
+        setup_process("cpu")
+        self.engines, self.rewarders, self.dataset, self.params = engines, rewarders, dataset, params
+        self.s = settings
+        self.sched: GroupScheduler | None = None
+        self.error: RLHFOrchError | None = None
+        self.timeline = Timeline(t0)
+        self._sent_events = 0
+        self._reward_load = [0] * len(rewarders)
+        self._tasks: set[asyncio.Task] = set()
+        self._cond: asyncio.Condition | None = None
+
+    # ---- control (driver) -------------------------------------------------------------------------
+    async def start(self, first_step: int, last_step: int, version: int, pending: list | None = None) -> dict:
+        """Set up for steps first_step..last_step with the engines at `version`; `pending` are draws of a
+        checkpointed run not yet trained, served first. Nothing is dispatched before `set_version`."""
+        s = self.s
+        self._cond = asyncio.Condition()
+        self.sched = GroupScheduler(prompts_per_step=s["prompts_per_step"], group_size=s["group_size"],
+                                    max_staleness=s["max_staleness"], first_step=first_step, last_step=last_step,
+                                    engines=list(self.engines), draw=lambda: self.dataset.next_batch(1)[0],
+                                    dispatch_groups=s["dispatch_groups"], filter_groups=s["filter_groups"],
+                                    filter_max_draws=s["filter_max_draws"])
+        self.sched.version = version
+        if pending:
+            self.sched.requeue([self.dataset.prompt(tuple(src)) for src in pending])
+        return {"budget": self.sched.budget()}
+
+    async def set_version(self, version: int) -> dict:
+        """The engines now hold `version`: admit what the bound allows and dispatch it."""
+        self.sched.set_version(version)
+        self._pump()
+        return self.sched.ledger()
+
+    async def next_batch(self, step: int, timeout_s: float):
+        """(metadata, [object ref of each rank's TrainBatch]) for `step`, once its groups are ready."""
+        deadline = time.monotonic() + timeout_s
+        async with self._cond:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                groups = self.sched.select_batch(step)
+                if groups is not None:
+                    break
+                left = deadline - time.monotonic()
+                try:
+                    await asyncio.wait_for(self._cond.wait(), timeout=max(left, 0.0))
+                except asyncio.TimeoutError:
+                    raise RolloutError(f"rollout manager: no batch for step {step} after {timeout_s:.0f}s; "
+                                       f"ledger {self.sched.ledger()}; look at the engines on the Ray dashboard "
+                                       "or raise ray.get_timeout_s") from None
+        filtered = self.sched.take(groups)
+        s = self.s
+        gen_s = max(g.ready_at for g in groups) - min(g.dispatched_at for g in groups)
+        sb = assemble(groups, step - 1, s["max_staleness"], s["algorithm"], s["norm_adv_by_std"], s["pad_id"],
+                      s["num_ranks"], gen_s)
+        led = self.sched.ledger()
+        metrics = {**sb.metrics, "rollout/groups_filtered": float(filtered),
+                   **{f"ledger/{k}": float(v) for k, v in led.items()}}
+        events = self.timeline.events[self._sent_events:]
+        self._sent_events += len(events)
+        meta = {"metrics": metrics, "tokens": sb.tokens, "example": sb.example, "sources": sb.sources, "events": events}
+        return meta, [ray.put(b) for b in sb.shards]
+
+    def restore_data(self, data_state: dict) -> None:
+        """A resumed run: the dataset cursor of its checkpoint (after every draw of the first segment)."""
+        self.dataset.restore(data_state)
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: the data cursor after every draw, and the draws not yet trained."""
+        return {"data": self.dataset.state(), "pending": self.sched.pending_sources() if self.sched else [],
+                "ledger": self.sched.ledger() if self.sched else {}}
+
+    def ledger(self) -> dict:
+        return self.sched.ledger() if self.sched else {}
+
+    def events(self) -> list[dict]:
+        events = self.timeline.events[self._sent_events:]
+        self._sent_events += len(events)
+        return events
+
+    # ---- the work ---------------------------------------------------------------------------------
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _pump(self) -> None:
+        if self.error is not None:
+            return
+        self.sched.admit()
+        now = time.time()
+        for engine, groups in self.sched.plan_dispatch():
+            for g in groups:
+                g.dispatched_at = now
+            self._spawn(self._generate(engine, groups))
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
+
+    async def _fail(self, err: RLHFOrchError) -> None:
+        if self.error is None:
+            self.error = err
+            logger.error("%s", err)
+        await self._notify()
+
+    async def _generate(self, engine: str, groups) -> None:
+        try:
+            samples, stats = await self.engines[engine].generate.remote([g.prompt.token_ids for g in groups],
+                                                                          self.params[engine])
+        except Exception as e:   # a dead actor or an engine error: the run stops with the engine's own message
+            cause = getattr(e, "cause", None) or e
+            await self._fail(cause if isinstance(cause, RLHFOrchError) else
+                             EngineError(f"engine {engine}: generate failed: {type(cause).__name__}: {cause}"))
+            return
+        self.timeline.add(f"engine:{engine}", "generate", stats["start"], stats["end"], groups=len(groups))
+        per_group = [[] for _ in groups]
+        for smp in samples:
+            per_group[smp.prompt_index].append(smp)
+        to_score = self.sched.on_generated(engine, groups, per_group, time.time())
+        if len(to_score) < len(groups):   # aborted by a sync: back in the queue, out again now
+            self._pump()
+        if to_score:
+            await self._score(to_score)
+
+    async def _score(self, groups) -> None:
+        i = min(range(len(self.rewarders)), key=lambda j: self._reward_load[j])
+        items = [(smp.text, g.prompt.row) for g in groups for smp in g.samples]
+        self._reward_load[i] += len(items)
+        t0 = time.time()
+        try:
+            rewards = await self.rewarders[i].score.remote(items)
+        except Exception as e:
+            cause = getattr(e, "cause", None) or e
+            await self._fail(cause if isinstance(cause, RLHFOrchError) else
+                             RewardError(f"reward worker {i} failed: {type(cause).__name__}: {cause}"))
+            return
+        finally:
+            self._reward_load[i] -= len(items)
+        now = time.time()
+        self.timeline.add(f"reward:{i}", "score", t0, now, samples=len(items))
+        at, refill = 0, False
+        for g in groups:
+            n = len(g.samples)
+            refill |= not self.sched.on_scored(g, rewards[at:at + n], now)
+            at += n
+        if refill:
+            self._pump()
+        await self._notify()

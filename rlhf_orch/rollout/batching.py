@@ -1,0 +1,70 @@
+"""One training step's batch from finished groups: advantages, padded tensors, one shard per trainer rank,
+and the step's flat `rollout/` and `staleness/` metrics.
+
+Groups are laid out in the order given (the scheduler gives draw order), each group's samples in engine
+order, and the group id of a sample is its group's position in the batch: with max_staleness 0 this is
+exactly the tensor the synchronous loop built. It checks the staleness bound on every token once more,
+because a wrong batch must never reach the trainer. No Ray, no model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhf_orch.algorithms import compute_advantages
+from rlhf_orch.algorithms.off_policy import staleness_histogram
+from rlhf_orch.rollout.scheduler import Group
+from rlhf_orch.rollout_utils import check_versions, rollout_metrics
+from rlhf_orch.trainer.batch import build_train_batch, shard
+from rlhf_orch.types import Prompt, Sample, TrainBatch
+
+
+@dataclass
+class StepBatch:
+    shards: list[TrainBatch]
+    tokens: float                                     # response tokens of the whole batch (loss normaliser)
+    metrics: dict[str, float]
+    example: tuple[str, str, float] = ("", "", 0.0)   # (prompt, response, reward) of the first sample, for logs
+    sources: list[list[int]] = field(default_factory=list)   # (epoch, row) of each group, for the ledger
+
+
+def assemble(groups: list[Group], trained_version: int, max_staleness: int, algorithm: str, norm_adv_by_std: bool,
+             pad_id: int, num_ranks: int, gen_seconds: float) -> StepBatch:
+    prompts: list[Prompt] = []
+    samples: list[Sample] = []
+    rewards: list[float] = []
+    for i, g in enumerate(groups):
+        p = g.prompt
+        prompts.append(Prompt(index=i, text=p.text, token_ids=p.token_ids, row=p.row, source=p.source))
+        for s, r in zip(g.samples, g.rewards):
+            s.prompt_index = i
+            samples.append(s)
+            rewards.append(r)
+    check_versions(samples, trained_version, max_staleness)
+    reward_t = torch.tensor(rewards)
+    group_ids = torch.tensor([s.prompt_index for s in samples])
+    adv = compute_advantages(algorithm, reward_t, group_ids, **({"norm_by_std": norm_adv_by_std} if algorithm == "grpo" else {}))
+    batch = build_train_batch(samples, adv, pad_id)
+    metrics = rollout_metrics(prompts, samples, reward_t, adv, gen_seconds)
+    metrics.update(staleness_metrics(samples, trained_version, max_staleness))
+    metrics["rollout/groups"] = float(len(groups))
+    first = samples[0]
+    return StepBatch(shards=shard(batch, num_ranks), tokens=float(batch.response_mask.sum()), metrics=metrics,
+                     example=(prompts[first.prompt_index].text, first.text, rewards[0]),
+                     sources=[list(p.source) for p in prompts])
+
+
+def staleness_metrics(samples: list[Sample], trained_version: int, max_staleness: int) -> dict[str, float]:
+    """Tokens at each version lag (`staleness/lag_k`), and the share of samples spanning a weight update."""
+    width = max((len(s.response_ids) for s in samples), default=0)
+    versions = torch.zeros((len(samples), max(width, 1)), dtype=torch.long)
+    mask = torch.zeros_like(versions, dtype=torch.float32)
+    for b, s in enumerate(samples):
+        v = s.versions
+        if v:
+            versions[b, :len(v)] = torch.tensor(v)
+            mask[b, :len(v)] = 1.0
+    out = staleness_histogram(versions, mask, trained_version, max_staleness)
+    out["staleness/spanning_frac"] = sum(s.min_version != s.max_version for s in samples) / max(1, len(samples))
+    return out

@@ -1,0 +1,198 @@
+"""Which prompt group runs where and when, under a staleness bound; and the ledger of every draw.
+
+A *group* is one prompt and its `group_size` samples. It is drawn once, dispatched whole to one engine
+(so the engine's prefix cache serves the group), scored, and then either trained on exactly once,
+filtered (dynamic sampling: all rewards equal), or still queued/running/buffered when the run ends.
+
+Versions. Step s trains policy version s-1 (the weights synced after step s-1). A group admitted while the
+engines hold version u may be trained by steps s with (s-1) - u <= max_staleness, so its *deadline* is
+u + max_staleness + 1. Admission keeps the number of live (not filtered) groups since the first step at most
+(min(u + k + 1, last_step) - first_step + 1) * prompts_per_step; so no step ever has more than a batch of
+groups whose deadline is due. The batch for step s holds every group due by s (it waits for them) and is
+filled up to prompts_per_step with the oldest finished groups. With max_staleness 0 every group of step s is
+admitted after sync s-1 and is due at s: exactly the synchronous loop, in draw order.
+
+Dispatch is load-aware: queued groups go out in draw order, in chunks of `dispatch_groups`, each chunk to the
+engine with the fewest outstanding samples.
+
+This module is pure bookkeeping: no Ray, no asyncio, no tensors. actors/rollout_manager.py drives it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rlhf_orch.errors import RolloutError
+from rlhf_orch.types import Prompt, Sample
+
+logger = logging.getLogger(__name__)
+
+QUEUED, RUNNING, SCORING, READY, TRAINED, FILTERED = "queued", "running", "scoring", "ready", "trained", "filtered"
+
+
+@dataclass
+class Group:
+    gid: int                       # draw order since this (re)start; batches list groups by gid
+    prompt: Prompt
+    admitted_version: int
+    deadline: int                  # the last step allowed to train it
+    state: str = QUEUED
+    engine: str | None = None
+    samples: list[Sample] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    attempts: int = 0              # dispatches (more than one after an abort or an engine failure)
+    dispatched_at: float = 0.0
+    ready_at: float = 0.0
+
+
+class GroupScheduler:
+    def __init__(self, *, prompts_per_step: int, group_size: int, max_staleness: int, first_step: int,
+                 last_step: int, engines: list[str], draw: Callable[[], Prompt], dispatch_groups: int = 0,
+                 filter_groups: bool = False, filter_max_draws: float = 3.0):
+        self.B, self.n, self.k = prompts_per_step, group_size, max_staleness
+        self.first_step, self.last_step = first_step, last_step
+        self.engines = list(engines)
+        self.draw = draw
+        self.dispatch_groups = dispatch_groups or math.ceil(prompts_per_step / max(1, len(self.engines)))
+        self.filter_groups, self.filter_max_draws = filter_groups, filter_max_draws
+        self.version = first_step - 1
+        self.groups: dict[int, Group] = {}
+        self.requeue_first: list[Prompt] = []     # draws of an earlier run segment, served before new ones
+        self.outstanding = {e: 0 for e in self.engines}   # samples dispatched and not yet returned
+        self.counts = {"drawn": 0, "dispatched": 0, "trained": 0, "filtered": 0, "aborted": 0, "requeued_on_resume": 0}
+        self._next_gid = 0
+        self._filtered_since_batch = 0
+
+    # ---- admission --------------------------------------------------------------------------------
+    def budget(self) -> int:
+        """Live groups allowed since the first step while the engines hold `self.version`."""
+        horizon = min(self.version + self.k + 1, self.last_step)
+        return max(0, horizon - self.first_step + 1) * self.B
+
+    def can_admit(self) -> bool:
+        budget, drawn = self.budget(), self.counts["drawn"]
+        return drawn - self.counts["filtered"] < budget and drawn < self.filter_max_draws * budget
+
+    def set_version(self, version: int) -> None:
+        self.version = max(self.version, version)
+
+    def admit(self) -> list[Group]:
+        """Draw (or re-queue) as many groups as the budget allows at the current version."""
+        new = []
+        while self.can_admit():
+            prompt = self.requeue_first.pop(0) if self.requeue_first else self.draw()
+            g = Group(self._next_gid, prompt, self.version, self.version + self.k + 1)
+            self.groups[g.gid] = g
+            self._next_gid += 1
+            self.counts["drawn"] += 1
+            new.append(g)
+        return new
+
+    # ---- dispatch ---------------------------------------------------------------------------------
+    def plan_dispatch(self) -> list[tuple[str, list[Group]]]:
+        """Every queued group, in draw order and chunks, each chunk to the least-loaded engine."""
+        queued = sorted((g for g in self.groups.values() if g.state == QUEUED), key=lambda g: g.gid)
+        plan = []
+        for i in range(0, len(queued), self.dispatch_groups):
+            chunk = queued[i:i + self.dispatch_groups]
+            engine = min(self.engines, key=lambda e: (self.outstanding[e], self.engines.index(e)))
+            for g in chunk:
+                g.state, g.engine = RUNNING, engine
+                g.attempts += 1
+            self.outstanding[engine] += len(chunk) * self.n
+            self.counts["dispatched"] += len(chunk)
+            plan.append((engine, chunk))
+        return plan
+
+    def on_generated(self, engine: str, groups: list[Group], samples: list[list[Sample]], now: float) -> list[Group]:
+        """A chunk came back (samples per group). Aborted groups go back to the queue; returns those to score."""
+        self.outstanding[engine] -= len(groups) * self.n
+        to_score = []
+        for g, ss in zip(groups, samples):
+            if any(s.finish_reason == "abort" for s in ss):
+                g.state, g.engine = QUEUED, None
+                self.counts["aborted"] += 1
+                continue
+            g.state, g.samples = SCORING, ss
+            to_score.append(g)
+        return to_score
+
+    def on_failed(self, engine: str, groups: list[Group]) -> None:
+        """The engine failed the chunk: its groups go back to the queue for another engine (issue: fault recovery)."""
+        self.outstanding[engine] -= len(groups) * self.n
+        for g in groups:
+            g.state, g.engine = QUEUED, None
+
+    def remove_engine(self, engine: str) -> None:
+        if engine in self.engines:
+            self.engines.remove(engine)
+            self.outstanding.pop(engine, None)
+
+    def on_scored(self, g: Group, rewards: list[float], now: float) -> bool:
+        """Rewards arrived; returns False if dynamic sampling filtered the group (all rewards equal)."""
+        g.rewards, g.ready_at = list(rewards), now
+        if self.filter_groups and len(rewards) > 1 and max(rewards) == min(rewards):
+            g.state, g.samples = FILTERED, []
+            del self.groups[g.gid]      # kept only as a count: the ledger must not grow with the run
+            self.counts["filtered"] += 1
+            self._filtered_since_batch += 1
+            return False
+        g.state = READY
+        return True
+
+    # ---- batches ----------------------------------------------------------------------------------
+    def select_batch(self, step: int) -> list[Group] | None:
+        """The groups step `step` trains on, or None while it must wait. Raises if it can never be filled."""
+        unconsumed = list(self.groups.values())
+        due = [g for g in unconsumed if g.deadline <= step]
+        if any(g.state != READY for g in due):
+            return None
+        chosen = sorted(due, key=lambda g: g.gid)
+        if len(chosen) < self.B:
+            extra = sorted((g for g in unconsumed if g.state == READY and g.deadline > step),
+                           key=lambda g: (g.admitted_version, g.gid))
+            chosen = sorted(chosen + extra[:self.B - len(chosen)], key=lambda g: g.gid)
+        if len(chosen) >= self.B:
+            return chosen
+        if any(g.state != READY for g in unconsumed) or self.can_admit():
+            return None
+        if not chosen:
+            raise RolloutError(f"rollout.filter_groups: no group left to train step {step}: every group drawn had "
+                               f"equal rewards and the draw cap (rollout.filter_max_draws={self.filter_max_draws}) is "
+                               "spent; raise filter_max_draws or set filter_groups: false")
+        logger.warning("step %d trains on %d groups instead of %d (filtered groups and the draw cap)", step,
+                       len(chosen), self.B)
+        return chosen
+
+    def take(self, groups: list[Group]) -> int:
+        """Mark a batch as trained; returns how many groups were filtered since the previous batch."""
+        for g in groups:
+            g.state = TRAINED
+            self.counts["trained"] += 1
+        filtered, self._filtered_since_batch = self._filtered_since_batch, 0
+        for g in groups:   # kept only as counts from here on
+            self.groups.pop(g.gid, None)
+        return filtered
+
+    # ---- ledger and checkpoints -------------------------------------------------------------------
+    def ledger(self) -> dict[str, int]:
+        by_state = {s: 0 for s in (QUEUED, RUNNING, SCORING, READY)}
+        for g in self.groups.values():
+            if g.state in by_state:
+                by_state[g.state] += 1
+        led = dict(self.counts)
+        led.update(queued=by_state[QUEUED], in_flight=by_state[RUNNING] + by_state[SCORING], buffered=by_state[READY])
+        led["balanced"] = int(led["drawn"] == led["trained"] + led["filtered"] + led["queued"] + led["in_flight"]
+                              + led["buffered"])
+        return led
+
+    def pending_sources(self) -> list[list[int]]:
+        """Draws not yet trained nor filtered, in draw order: a checkpoint re-queues them on resume."""
+        return [list(g.prompt.source) for g in sorted(self.groups.values(), key=lambda g: g.gid)] + \
+            [list(p.source) for p in self.requeue_first]
+
+    def requeue(self, prompts: list[Prompt]) -> None:
+        self.requeue_first.extend(prompts)
+        self.counts["requeued_on_resume"] += len(prompts)
