@@ -108,6 +108,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
                 raise WeightSyncError(f"engine/trainer logprobs differ by {m['rollout/logprob_diff_max']:.4f} "
                                       f"> weight_sync.mismatch_alarm {alarm} after sync v{step - 1}")
             records.append({"step": step, **m})
+            cluster.log_rollouts(step, meta)
             rollout_state = cluster.rollout_state()
             syncs, verified = syncs + 1, verified + int(m["sync/checksum_ok"] == 1.0)
             sinks.write(step, m)

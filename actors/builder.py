@@ -5,9 +5,9 @@ train, sync, checkpoint, close). The driver holds metadata and object references
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
-import time
 from pathlib import Path
 
 import ray
@@ -93,7 +93,12 @@ class Cluster:
                 state, tensors = read_rl_state(checkpoint_dir(self.run_dir) / tag)
                 self.resume_from = (tag, state, tensors)
                 self.history = truncate_metrics(self.run_dir / "metrics.jsonl", state["step"])
+                truncate_metrics(self.run_dir / "rollouts.jsonl", state["step"])
         self.sinks = self._sinks()
+        log = self.run_dir / "rollouts.jsonl"
+        if not (cfg.resume and self.resume_from):
+            log.unlink(missing_ok=True)
+        self._rollout_log = open(log, "a", encoding="utf-8")
         name, device = cfg.experiment.name, cfg.trainer.device
         self.placement = allocate(cfg, self.timeout)
         self.trainers = TrainerGroup(self.placement, device, name, self.timeout)
@@ -186,6 +191,12 @@ class Cluster:
     def train(self, meta: dict, refs: list) -> dict:
         with self.timeline.span("trainer", "train"):
             return self.trainers.step_shards("train_step", refs, meta["tokens"])
+
+    def log_rollouts(self, step: int, meta: dict) -> None:
+        """rollouts.jsonl: which draws (epoch, dataset row) each step trained on, and how many were filtered."""
+        self._rollout_log.write(json.dumps({"step": step, "sources": meta["sources"],
+                                            "groups_filtered": meta["metrics"].get("rollout/groups_filtered", 0)}) + "\n")
+        self._rollout_log.flush()
 
     def rollout_state(self) -> dict:
         return self._rget(self.rollouts.state.remote(), "rollout manager state")
@@ -301,6 +312,8 @@ class Cluster:
             logger.warning("timeline not written: %s", e)
         if self.sinks is not None:
             self.sinks.close()
+        if getattr(self, "_rollout_log", None) is not None:
+            self._rollout_log.close()
         if self.cfg.metrics.plots and records:
             from rlhf_orch.metrics import plot_run
             paths = plot_run(records, self.run_dir / "plots")

@@ -13,6 +13,7 @@ restart dead engines: a failed generate call fails the next batch with the engin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -139,7 +140,7 @@ class RolloutManager:
     async def _generate(self, engine: str, groups) -> None:
         try:
             samples, stats = await self.engines[engine].generate.remote([g.prompt.token_ids for g in groups],
-                                                                          self.params[engine])
+                                                                          self._params(engine, groups))
         except Exception as e:   # a dead actor or an engine error: the run stops with the engine's own message
             cause = getattr(e, "cause", None) or e
             await self._fail(cause if isinstance(cause, RLHFOrchError) else
@@ -154,6 +155,15 @@ class RolloutManager:
             self._pump()
         if to_score:
             await self._score(to_score)
+
+    def _params(self, engine: str, groups):
+        """The engine's sampling parameters, or one per group where dataset rows bound their own length
+        (`max_new_tokens`, `ignore_eos`: e.g. a benchmark's long-tailed lengths)."""
+        base = self.params[engine]
+        if not any("max_new_tokens" in g.prompt.row or "ignore_eos" in g.prompt.row for g in groups):
+            return base
+        return [dataclasses.replace(base, max_new_tokens=int(g.prompt.row.get("max_new_tokens", base.max_new_tokens)),
+                                    ignore_eos=bool(g.prompt.row.get("ignore_eos", base.ignore_eos))) for g in groups]
 
     async def _score(self, groups) -> None:
         i = min(range(len(self.rewarders)), key=lambda j: self._reward_load[j])

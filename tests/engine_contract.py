@@ -108,3 +108,48 @@ def run_sleep_contract(engine, model_dir: str, tokenizer, atol: float = 1e-4, dt
     engine.sleep(1)
     engine.wake_up()
     check(11)
+
+
+def run_inflight_contract(engine, model_dir: str, other_model_dir: str, tokenizer, max_new_tokens: int = 24,
+                          atol: float = 1e-4, dtype=torch.float32, start_delay_s: float = 0.1):
+    """Partial rollouts: a "keep" pause parks running requests, a sync changes the weights under them, and after
+    resume their later tokens carry the new version; an "abort" pause hands requests back unfinished."""
+    import threading
+    import time
+
+    prompt = tokenizer("3+4=", add_special_tokens=False).input_ids
+    params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, n=2, ignore_eos=True)
+    v0 = engine.weight_version
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(out=engine.generate([prompt], params)))
+    worker.start()
+    time.sleep(start_delay_s)
+    engine.pause("keep")
+    assert worker.is_alive(), "the request finished before the pause: make it longer"
+    new = named_weights(other_model_dir, dtype)
+    engine.load_weights(new)
+    engine.finish_sync(v0 + 1)
+    engine.resume()
+    worker.join(timeout=120)
+    samples = result["out"]
+    assert len(samples) == 2
+    for s in samples:
+        assert len(s.response_ids) == max_new_tokens and s.finish_reason == "length"
+        assert len(s.token_versions) == len(s.response_ids)
+        assert s.token_versions == sorted(s.token_versions) and s.min_version == v0 and s.max_version == v0 + 1
+        cut = s.token_versions.index(v0 + 1)
+        # tokens before the update are the old policy's, exactly; later ones are not
+        ref_old = reference_logprobs(model_dir, s.prompt_ids, s.response_ids, 1.0)
+        assert torch.allclose(torch.tensor(s.logprobs[:cut]), torch.tensor(ref_old[:cut]), atol=atol)
+        assert not torch.allclose(torch.tensor(s.logprobs[cut:]), torch.tensor(ref_old[cut:]), atol=atol)
+
+    worker = threading.Thread(target=lambda: result.update(out=engine.generate([prompt], params)))
+    worker.start()
+    time.sleep(start_delay_s)
+    engine.pause("abort")
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    assert all(s.finish_reason == "abort" and len(s.response_ids) < max_new_tokens for s in result["out"])
+    engine.resume()
+    again = engine.generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=3, n=1))
+    assert again[0].finish_reason in ("stop", "length") and again[0].weight_version == v0 + 1

@@ -109,6 +109,8 @@ class _EngineBase(_Section):
 class HFEngineConfig(_EngineBase):
     kind: Literal["hf"] = Field(description="Built-in transformers engine (CPU or one GPU).")
     max_batch_size: int = Field(256, ge=1, description="Sequences per generate call.")
+    decode_delay_s: float = Field(0.0, ge=0, description="Test hook: sleep this long before each decode step "
+                                  "(a slow engine, to exercise overlap, partial rollouts and deadlines on CPU).")
 
 
 class VLLMEngineConfig(_EngineBase):

@@ -1,7 +1,8 @@
 """Prompt datasets: load and validate rows, then hand out shuffled batches with a resumable cursor.
 
 Rows come from a built-in synthetic task or a JSONL file; every row must be a JSON object with a
-non-empty string "prompt" (other fields ride along to the reward function). All bad rows are
+non-empty string "prompt" (other fields ride along to the reward function); an optional "max_new_tokens"
+(and "ignore_eos") bounds that prompt's responses. All bad rows are
 reported at once, by line number, before any actor starts. Tokenisation happens here too, so prompt
 length limits are checked up front.
 
@@ -59,6 +60,11 @@ def _row_problem(row) -> str | None:
         return f"row has no 'prompt' field (keys: {', '.join(sorted(row)) or 'none'}); add \"prompt\": \"...\""
     if not isinstance(row["prompt"], str) or not row["prompt"]:
         return "'prompt' must be a non-empty string"
+    m = row.get("max_new_tokens")
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        return f"'max_new_tokens' must be a positive integer (this prompt's response bound), got {m!r}"
+    if "ignore_eos" in row and not isinstance(row["ignore_eos"], bool):
+        return f"'ignore_eos' must be true or false, got {row['ignore_eos']!r}"
     return None
 
 

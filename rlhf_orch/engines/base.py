@@ -39,6 +39,20 @@ class SamplingParams:
     ignore_eos: bool = False   # generate max_new_tokens whatever is sampled (benchmarks)
 
 
+def per_prompt_params(params: "SamplingParams | Sequence[SamplingParams]", count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: `params` itself for all, or a list with one per prompt (rows may bound their
+    own response length). n, temperature and top_p must agree: groups have n samples and the trainer scores with
+    one temperature."""
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    out = list(params)
+    if len(out) != count:
+        raise EngineError(f"{len(out)} sampling parameters for {count} prompts; give one per prompt or one for all")
+    if len({(p.n, p.temperature, p.top_p) for p in out}) > 1:
+        raise EngineError("per-prompt sampling parameters may differ in max_new_tokens and ignore_eos only")
+    return out
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     name: str
@@ -47,8 +61,9 @@ class RolloutEngine(Protocol):
     def device_ids(self) -> list[str]:
         """One id per worker: GPU UUID on CUDA, placement slot on CPU (see weight_sync/plan.py)."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
-        """`params.n` samples per prompt, grouped by prompt (prompt_index = position in `prompts`)."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[Sample]:
+        """`params.n` samples per prompt, grouped by prompt (prompt_index = position in `prompts`); `params` may be
+        a list with one entry per prompt (see per_prompt_params)."""
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Copy (hf_name, tensor) pairs into the model; tensors are views into a transport buffer."""

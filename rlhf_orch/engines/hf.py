@@ -19,11 +19,12 @@ It does not do continuous batching, paged KV caches or tensor parallelism: use v
 from __future__ import annotations
 
 import logging
+import time
 from typing import Sequence
 
 import torch
 
-from rlhf_orch.engines.base import EngineLifecycle, SamplingParams
+from rlhf_orch.engines.base import EngineLifecycle, SamplingParams, per_prompt_params
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample, dtype_from_name
 from rlhf_orch.weight_sync.buckets import checksums
@@ -34,12 +35,13 @@ logger = logging.getLogger(__name__)
 class HFEngine(EngineLifecycle):
     supports_partial_rollouts = True
     def __init__(self, name: str, model_path: str, device: str = "cpu", dtype: str = "float32",
-                 device_id: str = "", max_batch_size: int = 256, seed: int = 0):
+                 device_id: str = "", max_batch_size: int = 256, seed: int = 0, decode_delay_s: float = 0.0):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.name = name
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
         self.max_batch_size = max_batch_size
+        self.decode_delay_s = decode_delay_s   # test hook: a slow engine
         self.weight_version = -1        # nothing synced yet: the first sync makes it 0
         self._device_id = device_id
         self._init_lifecycle()
@@ -63,20 +65,24 @@ class HFEngine(EngineLifecycle):
 
     # ---- generation -------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+    def generate(self, prompts: Sequence[Sequence[int]], params) -> list[Sample]:
         self._check_can_generate()
-        flat = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+        each = per_prompt_params(params, len(prompts))
+        flat = [(i, list(p), each[i]) for i, p in enumerate(prompts) for _ in range(each[i].n)]
         out: list[Sample] = []
         with self._lock, self._decoding():
             for start in range(0, len(flat), self.max_batch_size):
-                out.extend(self._generate_batch(flat[start:start + self.max_batch_size], params))
+                out.extend(self._generate_batch(flat[start:start + self.max_batch_size]))
         return out
 
-    def _generate_batch(self, items, params: SamplingParams) -> list[Sample]:
-        width = max(len(p) for _, p in items)
+    def _generate_batch(self, items) -> list[Sample]:
+        params = items[0][2]        # temperature and top_p are shared; lengths and ignore_eos are per row
+        limits = torch.tensor([sp.max_new_tokens for _, _, sp in items], device=self.device)
+        stops = torch.tensor([not sp.ignore_eos for _, _, sp in items], device=self.device)
+        width = max(len(p) for _, p, _ in items)
         ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for row, (_, p) in enumerate(items):
+        for row, (_, p, _) in enumerate(items):
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
@@ -91,7 +97,7 @@ class HFEngine(EngineLifecycle):
         done = torch.zeros(len(items), dtype=torch.bool, device=self.device)
         tokens, logps, versions = [], [], []
         next_pos = pos[:, -1:] + 1
-        for step in range(params.max_new_tokens):
+        for step in range(int(limits.max())):
             if aborted:
                 break
             logp = torch.log_softmax(logits / params.temperature, dim=-1)
@@ -100,14 +106,16 @@ class HFEngine(EngineLifecycle):
             tokens.append(tok)
             logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
             versions.append(version)
-            if not params.ignore_eos:
-                done |= tok == self.eos_id
-            if bool(done.all()) or step + 1 == params.max_new_tokens:
+            done |= (tok == self.eos_id) & stops
+            done |= limits <= step + 1
+            if bool(done.all()):
                 break
             if not self._between_steps():   # an "abort" pause: hand the batch back unfinished
                 aborted = True
                 break
             version = self.weight_version
+            if self.decode_delay_s:
+                time.sleep(self.decode_delay_s)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
                              past_key_values=past, use_cache=True)
@@ -115,13 +123,14 @@ class HFEngine(EngineLifecycle):
         toks = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in items]
         lps = torch.stack(logps, 1).tolist() if logps else [[] for _ in items]
         samples = []
-        for row, (pi, p) in enumerate(items):
-            resp, lp, ver = toks[row], lps[row], list(versions)
-            if self.eos_id in resp and not params.ignore_eos:
+        for row, (pi, p, sp) in enumerate(items):
+            cap = sp.max_new_tokens
+            resp, lp, ver = toks[row][:cap], lps[row][:cap], list(versions)[:cap]
+            if self.eos_id in resp and not sp.ignore_eos:
                 cut = resp.index(self.eos_id) + 1
                 resp, lp, ver, reason = resp[:cut], lp[:cut], ver[:cut], "stop"
             else:
-                reason = "abort" if aborted else "length"
+                reason = "abort" if aborted and len(resp) < cap else "length"
             samples.append(Sample(prompt_index=pi, prompt_ids=p, response_ids=resp, logprobs=lp,
                                   finish_reason=reason, weight_version=ver[0] if ver else self.weight_version,
                                   engine=self.name, text=self.tokenizer.decode(resp, skip_special_tokens=True),

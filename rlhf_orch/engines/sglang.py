@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhf_orch.engines.base import WAKE_TAGS, EngineLifecycle, SamplingParams
+from rlhf_orch.engines.base import WAKE_TAGS, EngineLifecycle, SamplingParams, per_prompt_params
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
 from rlhf_orch.weight_sync.buckets import BucketLayout, checksums
@@ -253,16 +253,18 @@ class SGLangEngine(EngineLifecycle):
         return list(self._ids)
 
     # ---- generation -------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+    def generate(self, prompts: Sequence[Sequence[int]], params) -> list[Sample]:
         self._check_can_generate()
         if self._stale:
             raise EngineError(f"engine {self.name}: weights were dropped by sleep(level=2); sync new weights first")
         if not prompts:
             return []
         prompt_ids = [[int(t) for t in p] for p in prompts]
+        each = per_prompt_params(params, len(prompt_ids))
+        params = each[0]   # n, temperature and top_p are shared; length and ignore_eos may differ per prompt
         flat = [p for p in prompt_ids for _ in range(params.n)]
-        sp = {"temperature": params.temperature, "top_p": params.top_p, "max_new_tokens": params.max_new_tokens, "n": 1,
-              "ignore_eos": bool(getattr(params, "ignore_eos", False))}
+        sp = [{"temperature": e.temperature, "top_p": e.top_p, "max_new_tokens": e.max_new_tokens, "n": 1,
+               "ignore_eos": bool(e.ignore_eos)} for e in each for _ in range(params.n)]
         with self._lock:
             outs = self._call("generate", self.engine.generate, input_ids=flat, sampling_params=sp, return_logprob=True)
         outs = [outs] if isinstance(outs, dict) else list(outs)

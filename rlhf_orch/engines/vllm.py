@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhf_orch.engines.base import WAKE_TAGS, EngineLifecycle, SamplingParams
+from rlhf_orch.engines.base import WAKE_TAGS, EngineLifecycle, SamplingParams, per_prompt_params
 from rlhf_orch.engines.vllm_worker import pack_arg
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
@@ -91,7 +91,7 @@ class VLLMEngine(EngineLifecycle):
         return list(self._ids)
 
     # ---- generation -------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+    def generate(self, prompts: Sequence[Sequence[int]], params) -> list[Sample]:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -99,10 +99,12 @@ class VLLMEngine(EngineLifecycle):
         if not prompts:
             return []
         prompt_ids = [[int(t) for t in p] for p in prompts]
-        try:
-            sp = VSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                 max_tokens=params.max_new_tokens, logprobs=0, seed=None, detokenize=True,
-                                 ignore_eos=params.ignore_eos)
+        each = per_prompt_params(params, len(prompt_ids))
+        try:   # one vLLM SamplingParams per distinct setting (rows may bound their own length)
+            made = {p: VSamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_new_tokens,
+                                       logprobs=0, seed=None, detokenize=True, ignore_eos=p.ignore_eos)
+                    for p in set(each)}
+            sp = [made[p] for p in each]
         except Exception as e:   # e.g. vLLM allows temperature in [0, 2] only
             raise EngineError(f"engine {self.name}: sampling parameters rejected by vLLM: {e}") from e
         with self._lock:

@@ -53,3 +53,24 @@ def test_hf_engine_wakes_with_nan_weights_until_loaded(tiny_model_dir):
     assert all(p.numel() == 0 for p in engine.params.values())     # the memory is really released
     engine.wake_up()
     assert all(torch.isnan(p).all() for p in engine.params.values())  # a missed sync cannot pass for weights
+
+
+def test_hf_engine_keeps_requests_through_a_sync_and_aborts_on_request(tiny_model_dir, other_model_dir):
+    from engine_contract import run_inflight_contract
+    engine = engine_class("hf")(name="e", model_path=tiny_model_dir, seed=0, decode_delay_s=0.02)
+    engine.finish_sync(0)
+    run_inflight_contract(engine, tiny_model_dir, other_model_dir, build_tokenizer())
+
+
+def test_hf_engine_per_prompt_lengths(tiny_model_dir):
+    from rlhf_orch.engines.base import SamplingParams
+    from rlhf_orch.errors import EngineError
+    engine = engine_class("hf")(name="e", model_path=tiny_model_dir, seed=0)
+    tok = build_tokenizer()
+    p = tok("1+2=", add_special_tokens=False).input_ids
+    out = engine.generate([p, p], [SamplingParams(max_new_tokens=3, n=2, ignore_eos=True),
+                                   SamplingParams(max_new_tokens=7, n=2, ignore_eos=True)])
+    assert [len(s.response_ids) for s in out] == [3, 3, 7, 7]
+    assert [s.prompt_index for s in out] == [0, 0, 1, 1]
+    with pytest.raises(EngineError, match="max_new_tokens and ignore_eos only"):
+        engine.generate([p, p], [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5)])

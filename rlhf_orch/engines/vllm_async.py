@@ -1,0 +1,246 @@
+"""In-flight weight updates on vLLM 0.26.0: an `AsyncLLM` on its own event-loop thread (draft).
+
+`AsyncVLLMRunner` builds a `vllm.v1.engine.async_llm.AsyncLLM` inside a dedicated asyncio loop thread
+and offers blocking, thread-safe methods for a threaded Ray actor:
+- `generate(prompt_ids, sp, version_fn)`: every prompt at once (one request each, `sp.n` samples),
+  streamed with output_kind CUMULATIVE; each generated token is stamped with the weight version in
+  force when it was sampled.
+- `pause(mode)` / `resume()` wrap `AsyncLLM.pause_generation` / `resume_generation`: "keep" freezes
+  every request in the scheduler, "wait" lets running requests finish, "abort" ends them all with
+  finish_reason "abort" (their partial tokens are returned; the caller re-queues them).
+- `collective_rpc`, `reset_prefix_cache`, `sleep`, `wake_up`, `is_paused`, `shutdown` forward to AsyncLLM.
+
+Version stamping: a token is stamped on arrival with its call's "version in force", refreshed from
+`version_fn()` only in `resume()` (or in the `wake_up` of the last sleeping tag, which resumes scheduling,
+core.py:911-912), after `_drain()` has let every output produced before the pause reach our streams.
+Exact as long as weights change only while paused. Kept requests continue on KV computed with the old
+weights unless `reset_prefix_cache(reset_running_requests=True)` makes them recompute it.
+
+It does not load or verify weights (callers send our WeightSyncWorkerExtension methods through
+`collective_rpc`), does not implement the RolloutEngine Protocol, and does not support data parallelism.
+Not yet run on a GPU: docs/async_engine_notes.md lists what must be checked. vLLM is imported lazily.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from rlhf_orch.engines.vllm import EXTENSION
+from rlhf_orch.errors import EngineError
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("keep", "wait", "abort")   # vllm.v1.engine.PauseMode (v1/engine/__init__.py:26)
+WAKE_TAGS = ("weights", "kv_cache")
+
+Row = tuple  # (prompt_index, completion_index, token_ids, logprobs, token_versions, finish_reason, text)
+
+
+@dataclass(eq=False)
+class _Call:
+    """One generate() call: the version stamped on tokens arriving now, and how to refresh it."""
+    version_fn: Callable[[], int]
+    version: int
+
+
+@dataclass
+class _Completion:
+    versions: list[int] = field(default_factory=list)
+    last: Any = None   # latest CompletionOutput; CUMULATIVE, so it holds every token so far
+
+
+class AsyncVLLMRunner:
+    def __init__(self, model: str, *, start_timeout_s: float = 1800.0, drain_timeout_s: float = 10.0,
+                 **engine_kwargs: Any):
+        """`engine_kwargs`: what VLLMEngine passes to `LLM(...)` (all are EngineArgs fields)."""
+        engine_kwargs.setdefault("worker_extension_cls", EXTENSION)
+        engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
+        engine_kwargs.setdefault("disable_log_stats", True)   # LLM's default (entrypoints/llm.py:225)
+        self.weight_version = -1          # default version_fn reads this; set it before resume()
+        self.drain_timeout_s = drain_timeout_s
+        self._calls: set[_Call] = set()   # touched on the loop thread only
+        self._asleep: set[str] = set()
+        self._llm: Any = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async-loop", daemon=True)
+        self._thread.start()
+        try:
+            self._llm = self._call(self._start(model, engine_kwargs), timeout=start_timeout_s)
+        except BaseException:
+            self._stop_loop()
+            raise
+        logger.info("AsyncLLM up for %s", model)
+
+    def _call(self, coro, timeout: float | None = None):
+        """Run `coro` on the loop thread and block for its result."""
+        if threading.current_thread() is self._thread or self._loop.is_closed():
+            coro.close()
+            raise EngineError("AsyncVLLMRunner: called from its own loop thread, or after shutdown")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _start(self, model: str, kw: dict):
+        try:
+            from vllm import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as e:
+            raise EngineError(f"vLLM is not installed (pip install 'rlhf_orch[vllm]'): {e}") from e
+        # Built on the loop thread so AsyncLLM starts its output handler on this loop (async_llm.py:169-175).
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **kw))
+
+    async def _drain(self) -> None:
+        """Wait until outputs already received from EngineCore have reached our generate() streams. A pause's
+        reply follows every earlier step output (one FIFO queue and socket, core.py:1495-1497, 1723) and the
+        client queues those before resolving it (core_client.py:1005-1043), but AsyncLLM's output_handler and
+        our stream tasks consume them later (async_llm.py:656-700); pause_generation sleeps only 20 ms (:787-793)."""
+        q = getattr(self._llm.engine_core, "outputs_queue", None)
+        deadline = self._loop.time() + self.drain_timeout_s
+        quiet = 0
+        while quiet < 3:   # three consecutive empty looks, each after letting every ready task run
+            await asyncio.sleep(0.002)
+            quiet = quiet + 1 if q is None or q.empty() else 0
+            if self._loop.time() > deadline:
+                logger.warning("output drain timed out after %.1fs; token versions may be off", self.drain_timeout_s)
+                return
+
+    async def _switch_versions(self) -> None:
+        await self._drain()
+        for call in list(self._calls):
+            call.version = int(call.version_fn())
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sp,
+                 version_fn: Callable[[], int] | None = None) -> list[Row]:
+        """All prompts concurrently; rows grouped by prompt, then completion index. `sp`: one vLLM SamplingParams,
+        or one per prompt; needs `logprobs=0` for logprobs (else []). While paused, requests queue until resume()."""
+        if self._asleep:
+            raise EngineError(f"generate called while asleep ({sorted(self._asleep)}); call wake_up() first")
+        if not prompt_ids:
+            return []
+        fn = version_fn if version_fn is not None else (lambda: self.weight_version)
+        return self._call(self._generate([[int(t) for t in p] for p in prompt_ids], sp, fn))
+
+    async def _generate(self, prompts: list[list[int]], sp, version_fn) -> list[Row]:
+        each = list(sp) if isinstance(sp, (list, tuple)) else [sp] * len(prompts)
+        if len(each) != len(prompts):
+            raise EngineError(f"{len(each)} sampling parameters for {len(prompts)} prompts")
+        call = _Call(version_fn, int(version_fn()))
+        self._calls.add(call)
+        base = uuid.uuid4().hex[:12]
+        tasks = [asyncio.ensure_future(self._one(call, f"rlhf-{base}-{i}", i, p, s))
+                 for i, (p, s) in enumerate(zip(prompts, each))]
+        try:
+            per_prompt = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()   # AsyncLLM.generate aborts a cancelled request (async_llm.py:591-596)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            self._calls.discard(call)
+        return [row for rows in per_prompt for row in rows]
+
+    async def _one(self, call: _Call, rid: str, i: int, prompt: list[int], sp) -> list[Row]:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = sp.clone()   # not DELTA: an empty delta (abort) slices logprobs[-0:] = all (output_processor.py:401-404)
+        sp.output_kind = RequestOutputKind.CUMULATIVE
+        comps: dict[int, _Completion] = {}
+        async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt), sp, rid):
+            for c in out.outputs:   # n > 1: only the children with news (parallel_sampling.py:100-126)
+                st = comps.setdefault(c.index, _Completion())
+                grown = len(c.token_ids) - len(st.versions)
+                if grown > 0:
+                    st.versions.extend([call.version] * grown)
+                st.last = c
+        if len(comps) != sp.n:
+            raise EngineError(f"request {rid}: got {len(comps)} completions, expected n={sp.n}")
+        rows: list[Row] = []
+        for idx in sorted(comps):
+            c, versions = comps[idx].last, comps[idx].versions
+            toks = [int(t) for t in c.token_ids]
+            lps: list[float] = []
+            if c.logprobs:   # one {token_id: Logprob} per position; logprobs=0 holds the sampled one
+                lps = [float(pos[t].logprob) for t, pos in zip(toks, c.logprobs)]
+            rows.append((i, idx, toks, lps, versions[:len(toks)], c.finish_reason, c.text))
+        return rows
+
+    def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        """Returns once paused and earlier outputs reached the streams. clear_cache=True resets caches when
+        the pause completes; in "keep" mode that preempts every kept running request (scheduler.py:2336-2360),
+        which recomputes its KV on resume."""
+        if mode not in PAUSE_MODES:
+            raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._call(self._then_drain(self._llm.pause_generation(mode=mode, clear_cache=bool(clear_cache))))
+
+    async def _then_drain(self, coro, asleep: bool = False) -> None:
+        await coro
+        self._asleep = set(WAKE_TAGS) if asleep else self._asleep
+        await self._drain()
+
+    def resume(self) -> None:
+        """Stamp later tokens with version_fn() (read now), then let the scheduler run again."""
+        self._call(self._resume())
+
+    async def _resume(self) -> None:
+        await self._switch_versions()
+        await self._llm.resume_generation()
+
+    def is_paused(self) -> bool:
+        return bool(self._call(self._llm.is_paused()))
+
+    def collective_rpc(self, method: str, args: Sequence = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list:
+        """One result per worker, rank order. Arguments cross msgpack: pickle dataclasses (vllm_worker.pack_arg)."""
+        return self._call(self._llm.collective_rpc(method, timeout=timeout, args=tuple(args), kwargs=kwargs))
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """False while kept requests hold KV blocks unless reset_running_requests=True (which preempts them)."""
+        return bool(self._call(self._llm.reset_prefix_cache(reset_running_requests=reset_running_requests)))
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Pauses the scheduler with `mode` first (core.py:873-875); level >= 1 drops the KV cache."""
+        if level not in (1, 2) or mode not in PAUSE_MODES:
+            raise EngineError(f"sleep needs level 1 or 2 and a mode in {PAUSE_MODES}; got {level}, {mode!r}")
+        self._call(self._then_drain(self._llm.sleep(level=level, mode=mode), asleep=True))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Waking the last sleeping tag also resumes generation (core.py:911-912), even after pause():
+        record the new weight version before that call."""
+        tags = list(WAKE_TAGS) if tags is None else list(tags)
+        if any(t not in WAKE_TAGS for t in tags):
+            raise EngineError(f"unknown wake_up tags in {tags}; use {list(WAKE_TAGS)}")
+        self._call(self._wake_up(tags))
+
+    async def _wake_up(self, tags: list[str]) -> None:
+        todo = [t for t in tags if t in self._asleep]
+        if not todo:
+            return
+        if self._asleep <= set(todo):
+            await self._switch_versions()
+        await self._llm.wake_up(todo)
+        self._asleep -= set(todo)
+
+    def shutdown(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            try:
+                self._call(self._shutdown(llm), timeout=120)
+            except Exception:
+                logger.warning("AsyncLLM shutdown failed", exc_info=True)
+        self._stop_loop()
+
+    @staticmethod
+    async def _shutdown(llm) -> None:
+        llm.shutdown()
+        await asyncio.sleep(0)   # let the cancelled output handler finish
+
+    def _stop_loop(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            if not self._thread.is_alive():
+                self._loop.close()

@@ -1,0 +1,129 @@
+"""The rollout scheduler without Ray: admission under the staleness bound, least-loaded dispatch, deadline-driven
+batches, dynamic-sampling refills and the ledger, on hand-worked sequences."""
+import itertools
+
+import pytest
+
+from rlhf_orch.errors import RolloutError
+from rlhf_orch.rollout.scheduler import READY, GroupScheduler
+from rlhf_orch.types import Prompt, Sample
+
+
+def make(k=0, B=4, engines=("a", "b"), first=1, last=100, **kw):
+    counter = itertools.count()
+
+    def draw():
+        i = next(counter)
+        return Prompt(index=0, text=f"p{i}", token_ids=[i], row={}, source=(0, i))
+    return GroupScheduler(prompts_per_step=B, group_size=2, max_staleness=k, first_step=first, last_step=last,
+                          engines=list(engines), draw=draw, **kw)
+
+
+def finish(s, plan, rewards=(0.0, 1.0), versions=None):
+    """Every dispatched chunk comes back and is scored."""
+    for engine, groups in plan:
+        samples = [[Sample(0, [], [1], [0.0], "stop", g.admitted_version if versions is None else versions)
+                    for _ in range(2)] for g in groups]
+        for g in s.on_generated(engine, groups, samples, 0.0):
+            s.on_scored(g, list(rewards), 1.0)
+
+
+def test_staleness_zero_is_the_synchronous_loop():
+    s = make(k=0)
+    assert s.budget() == 4 and len(s.admit()) == 4 and s.admit() == []
+    plan = s.plan_dispatch()
+    # one contiguous chunk per engine, in draw order: what split_evenly did
+    assert [(e, [g.gid for g in gs]) for e, gs in plan] == [("a", [0, 1]), ("b", [2, 3])]
+    assert s.select_batch(1) is None                  # nothing generated yet
+    finish(s, plan)
+    batch = s.select_batch(1)
+    assert [g.gid for g in batch] == [0, 1, 2, 3]
+    s.take(batch)
+    assert s.admit() == []                           # no new group before the sync of version 1
+    s.set_version(1)
+    assert [g.gid for g in s.admit()] == [4, 5, 6, 7]
+    assert all(g.deadline == 2 for g in s.groups.values())
+
+
+def test_staleness_one_admits_a_step_ahead_and_deadlines_bind():
+    s = make(k=1)
+    assert len(s.admit()) == 8                       # steps 1 and 2 from version 0
+    plan = s.plan_dispatch()
+    assert [len(gs) for _, gs in plan] == [2, 2, 2, 2]
+    assert [e for e, _ in plan] == ["a", "b", "a", "b"]   # least outstanding work each time
+    # only the second half finished: they are due at step 2, so step 1 may take them (oldest first)...
+    finish(s, plan[2:])
+    b1 = s.select_batch(1)
+    assert [g.gid for g in b1] == [4, 5, 6, 7]
+    s.take(b1)
+    s.set_version(1)
+    assert len(s.admit()) == 4                       # budget (1+1+1) * 4 = 12
+    # ...but step 2 must wait for the groups admitted at version 0 (due at 2), whatever else is ready
+    finish(s, s.plan_dispatch())
+    assert s.select_batch(2) is None
+    finish(s, plan[:2])
+    assert [g.gid for g in s.select_batch(2)] == [0, 1, 2, 3]
+
+
+def test_budget_stops_at_the_last_step_and_ledger_balances():
+    s = make(k=2, last=2)
+    assert len(s.admit()) == 8                       # not 12: the run has two steps
+    finish(s, s.plan_dispatch())
+    s.take(s.select_batch(1))
+    led = s.ledger()
+    assert led["drawn"] == 8 and led["trained"] == 4 and led["buffered"] == 4 and led["balanced"] == 1
+
+
+def test_filter_refills_and_caps_draws():
+    s = make(k=0, B=2, engines=("a",), filter_groups=True, filter_max_draws=2.0)
+    s.admit()
+    plan = s.plan_dispatch()
+    finish(s, plan, rewards=(1.0, 1.0))              # both filtered
+    assert s.ledger()["filtered"] == 2 and s.select_batch(1) is None
+    assert len(s.admit()) == 2                       # refill: drawn 4 = cap 2.0 * budget 2
+    finish(s, s.plan_dispatch(), rewards=(1.0, 1.0))
+    assert s.admit() == []
+    with pytest.raises(RolloutError, match="filter_max_draws"):
+        s.select_batch(1)
+
+
+def test_short_batch_when_the_cap_is_spent():
+    s = make(k=0, B=2, engines=("a",), filter_groups=True, filter_max_draws=1.5)
+    s.admit()
+    plan = s.plan_dispatch()
+    engine, groups = plan[0]
+    samples = [[Sample(0, [], [1], [0.0], "stop", 0)] * 2 for _ in groups]
+    g0, g1 = s.on_generated(engine, groups, samples, 0.0)
+    s.on_scored(g0, [1.0, 1.0], 1.0)                 # filtered
+    s.on_scored(g1, [0.0, 1.0], 1.0)
+    assert len(s.admit()) == 1                       # 3 draws = 1.5 * 2
+    finish(s, s.plan_dispatch(), rewards=(2.0, 2.0))
+    batch = s.select_batch(1)
+    assert [g.gid for g in batch] == [1]             # one group instead of two: the cap is spent
+    assert s.take(batch) == 2
+
+
+def test_aborted_groups_are_requeued_and_pending_survives_a_checkpoint():
+    s = make(k=1, engines=("a",))
+    s.admit()
+    (engine, groups), *_ = s.plan_dispatch()
+    samples = [[Sample(0, [], [1], [0.0], "abort", 0)] * 2 for _ in groups]
+    assert s.on_generated(engine, groups, samples, 0.0) == []
+    assert s.ledger()["aborted"] == 4 and s.ledger()["queued"] == 4
+    assert [len(gs) for _, gs in s.plan_dispatch()] == [4]    # out again
+    pending = s.pending_sources()
+    assert pending == [[0, i] for i in range(8)]
+    r = make(k=1, engines=("a",), first=3)
+    r.requeue([Prompt(0, "x", [src[1]], {}, tuple(src)) for src in pending])
+    r.set_version(2)
+    assert [g.prompt.source for g in r.admit()] == [(0, i) for i in range(8)]
+    assert r.ledger()["requeued_on_resume"] == 8
+
+
+def test_ready_groups_only_in_batches():
+    s = make(k=0)
+    s.admit()
+    plan = s.plan_dispatch()
+    finish(s, plan[:1])
+    assert s.select_batch(1) is None
+    assert sum(g.state == READY for g in s.groups.values()) == 2
