@@ -48,12 +48,40 @@ def prepare(argv):
     return cfg, run_dir, model_path, tokenizer, dataset
 
 
+def rl_step(cluster, cfg, step: int) -> tuple[dict, dict]:
+    """One RL step; returns its flat metrics and the batch metadata. Engines hold version step-1 on entry."""
+    from rlhf_orch.errors import WeightSyncError
+    from rlhf_orch.metrics import PhaseTimer
+
+    timer = PhaseTimer()
+    with timer.phase("step"):
+        with timer.phase("to_generate"):    # colocation: trainers offload, engines wake (else no-op)
+            coloc = cluster.to_generate()
+        # Engines hold version step-1: the manager admits what max_staleness allows (with 0: this step's
+        # groups, exactly the synchronous loop; with k >= 1 most were generated while the trainer trained).
+        cluster.release(step - 1)
+        with timer.phase("generate"):       # wait for the step's groups, generated and scored
+            meta, shards = cluster.next_batch(step)
+        with timer.phase("to_train"):       # colocation: engines sleep, trainers reload
+            coloc.update(cluster.to_train())
+        with timer.phase("train"):
+            train = cluster.train(meta, shards)
+        with timer.phase("sync"):
+            sync_metrics = cluster.sync(step)
+    m = {**meta["metrics"], **train, **sync_metrics, **coloc, **timer.metrics()}
+    m["rollout/logprob_diff_mean"] = train["train/logprob_diff_sum"] / max(train["train/tokens"], 1.0)
+    m["rollout/logprob_diff_max"] = train["train/logprob_diff_max"]
+    alarm = cfg.weight_sync.mismatch_alarm
+    if alarm and m["rollout/logprob_diff_max"] > alarm:
+        raise WeightSyncError(f"engine/trainer logprobs differ by {m['rollout/logprob_diff_max']:.4f} "
+                              f"> weight_sync.mismatch_alarm {alarm} after sync v{step - 1}")
+    return m, meta
+
+
 def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
     import torch
     from tqdm import tqdm
     from actors.builder import Cluster
-    from rlhf_orch.errors import WeightSyncError
-    from rlhf_orch.metrics import PhaseTimer
     from rlhf_orch.rollout_utils import reward_summary, warm_start_pairs
     from rlhf_orch.trainer.batch import build_sft_batch
 
@@ -85,28 +113,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
         cluster.start_rollouts(start, start - 1, resumed)
         bar = tqdm(range(start, last + 1), initial=start - 1, total=last, desc=cfg.algorithm.name.upper(), file=sys.stderr)
         for step in bar:
-            timer = PhaseTimer()
-            with timer.phase("step"):
-                with timer.phase("to_generate"):    # colocation: trainers offload, engines wake (else no-op)
-                    coloc = cluster.to_generate()
-                # Engines hold version step-1: the manager admits what max_staleness allows (with 0: this step's
-                # groups, exactly the synchronous loop; with k >= 1 most were generated while the trainer trained).
-                cluster.release(step - 1)
-                with timer.phase("generate"):       # wait for the step's groups, generated and scored
-                    meta, shards = cluster.next_batch(step)
-                with timer.phase("to_train"):       # colocation: engines sleep, trainers reload
-                    coloc.update(cluster.to_train())
-                with timer.phase("train"):
-                    train = cluster.train(meta, shards)
-                with timer.phase("sync"):
-                    sync_metrics = cluster.sync(step)
-            m = {**meta["metrics"], **train, **sync_metrics, **coloc, **timer.metrics()}
-            m["rollout/logprob_diff_mean"] = train["train/logprob_diff_sum"] / max(train["train/tokens"], 1.0)
-            m["rollout/logprob_diff_max"] = train["train/logprob_diff_max"]
-            alarm = cfg.weight_sync.mismatch_alarm
-            if alarm and m["rollout/logprob_diff_max"] > alarm:
-                raise WeightSyncError(f"engine/trainer logprobs differ by {m['rollout/logprob_diff_max']:.4f} "
-                                      f"> weight_sync.mismatch_alarm {alarm} after sync v{step - 1}")
+            m, meta = rl_step(cluster, cfg, step)
             records.append({"step": step, **m})
             cluster.log_rollouts(step, meta)
             rollout_state = cluster.rollout_state()

@@ -117,7 +117,8 @@ class Cluster:
                 if ecfg.kind == "sglang":   # SGLang must know at start whether it will release memory
                     kwargs.update(enable_memory_saver=ecfg.sleep_level > 0, enable_weights_cpu_backup=ecfg.sleep_level == 1)
                 opts = self.placement.options(bundle, f"{name}-engine-{ename}", engine_env(env, ecfg))
-                self.engines[ename] = RolloutActor.options(**opts).remote(ename, ecfg.kind, device, self.placement.device_id(bundle), kwargs)
+                kind = "vllm-streaming" if getattr(ecfg, "streaming", False) else ecfg.kind
+                self.engines[ename] = RolloutActor.options(**opts).remote(ename, kind, device, self.placement.device_id(bundle), kwargs)
                 self.sampling[ename] = ecfg.sampling
                 sleep_levels[ename] = ecfg.sleep_level
         self.rewarders = [RewardActor.options(name=f"{name}-reward-{i}", runtime_env={"env_vars": env}).remote(cfg.reward.function)
@@ -170,12 +171,17 @@ class Cluster:
     def _rget(self, ref, what: str, timeout: float | None = None):
         return get(ref, timeout or self.timeout, what, RolloutError)
 
-    def start_rollouts(self, first_step: int, version: int, resumed: dict | None) -> None:
-        """The manager serves steps first_step.. with engines at `version`; a resumed run's untrained draws first."""
+    def start_rollouts(self, first_step: int, version: int, resumed: dict | None, last_step: int | None = None,
+                       **overrides) -> None:
+        """The manager serves steps first_step..last_step (default: the run's last) with engines at `version`; a
+        resumed run's untrained draws first. `overrides`: rollout settings for these steps (benchmarks)."""
         pending = (resumed or {}).get("rollout", {}).get("pending")
         if resumed:
-            get(self.rollouts.restore_data.remote(resumed["data"]), self.timeout, "rollout manager", RolloutError)
-        self._rget(self.rollouts.start.remote(first_step, self.cfg.experiment.steps, version, pending), "rollout manager to start")
+            self._rget(self.rollouts.restore_data.remote(resumed["data"]), "rollout manager")
+        if "max_staleness" in overrides or "partial_rollouts" in overrides:
+            self.pause_mode = "keep" if overrides.pop("partial_rollouts", False) else self.cfg.rollout.running_requests
+        self._rget(self.rollouts.start.remote(first_step, last_step or self.cfg.experiment.steps, version, pending,
+                                              overrides), "rollout manager to start")
 
     def release(self, version: int) -> None:
         """Engines hold `version` (synced and checkpointed): the manager may start groups that need it."""

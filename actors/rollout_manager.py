@@ -43,9 +43,14 @@ class RolloutManager:
         self._cond: asyncio.Condition | None = None
 
     # ---- control (driver) -------------------------------------------------------------------------
-    async def start(self, first_step: int, last_step: int, version: int, pending: list | None = None) -> dict:
+    async def start(self, first_step: int, last_step: int, version: int, pending: list | None = None,
+                    overrides: dict | None = None) -> dict:
         """Set up for steps first_step..last_step with the engines at `version`; `pending` are draws of a
-        checkpointed run not yet trained, served first. Nothing is dispatched before `set_version`."""
+        checkpointed run not yet trained, served first. Nothing is dispatched before `set_version`. `overrides`
+        change settings (max_staleness, ...) from here on: a benchmark runs modes back to back on one cluster."""
+        if self.sched is not None and self.sched.ledger()["in_flight"] + self.sched.ledger()["buffered"]:
+            raise RolloutError("rollout manager: start() while groups are still in flight or buffered")
+        self.s.update(overrides or {})
         s = self.s
         self._cond = asyncio.Condition()
         self.sched = GroupScheduler(prompts_per_step=s["prompts_per_step"], group_size=s["group_size"],
@@ -88,6 +93,8 @@ class RolloutManager:
                       s["num_ranks"], gen_s)
         led = self.sched.ledger()
         metrics = {**sb.metrics, "rollout/groups_filtered": float(filtered),
+                   "perf/batch_ready_t": max(g.ready_at for g in groups) - self.timeline.t0,
+                   "perf/batch_dispatch_t": min(g.dispatched_at for g in groups) - self.timeline.t0,
                    **{f"ledger/{k}": float(v) for k, v in led.items()}}
         events = self.timeline.events[self._sent_events:]
         self._sent_events += len(events)

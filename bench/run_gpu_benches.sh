@@ -2,6 +2,7 @@
 # On the lent GPU machine, after staging vLLM (../shared/device/README.md): the rollout and fan-out benchmarks.
 #   bash bench/run_gpu_benches.sh rollout [ARGS]  # bench/rollout.py on GPU 0 (any kind; ~4-6 min for the defaults)
 #   bash bench/run_gpu_benches.sh fanout [ARGS]   # bench/weight_sync_fanout.py (needs 4 GPUs: nvidia-h200-x4; ~3-4 min)
+#   bash bench/run_gpu_benches.sh async [ARGS]    # bench/async_rl.py: sync vs max_staleness 1 vs +partial (2 GPUs; ~8 min)
 #   bash bench/run_gpu_benches.sh all             # both, fan-out only when 4 GPUs are visible (may pass 10 min)
 # ARGS go to that benchmark (e.g. `fanout --models llama-3.2-1b`, `rollout --prompts 64 --repeats 1`).
 # Files in $OUT (kept few: at most 8 come back): gpus.txt, rollout.log, fanout.log, RESULTS_gpu.md (the tables).
@@ -33,6 +34,7 @@ bench() {   # name, timeout, script, args...: full log to $OUT/name.log, table a
 
 case "$what" in
   rollout) bench rollout "${ROLLOUT_TIMEOUT:-560}" bench/rollout.py "$@" ;;
+  async) bench async_rl "${ASYNC_TIMEOUT:-570}" bench/async_rl.py "$@" ;;
   fanout)
     if [ "$ngpu" -lt 4 ]; then echo "fanout needs 4 GPUs, this machine has $ngpu"; exit 2; fi
     bench fanout "${FANOUT_TIMEOUT:-560}" bench/weight_sync_fanout.py "$@" ;;

@@ -85,6 +85,12 @@ class TrainBatch:
             return None if t is None else t[idx]
         return TrainBatch(*(take(getattr(self, f)) for f in self.__dataclass_fields__))
 
+    def trim(self, width: int) -> "TrainBatch":
+        """The first `width` positions of every token tensor (dropping right padding); advantages unchanged."""
+        def cut(name, t):
+            return t if t is None or name == "advantages" else t[:, :width]
+        return TrainBatch(*(cut(f, getattr(self, f)) for f in self.__dataclass_fields__))
+
 
 @dataclass(frozen=True)
 class WeightVersion:

@@ -121,6 +121,8 @@ class VLLMEngineConfig(_EngineBase):
     kv_cache_memory_gb: float | None = Field(None, gt=0, description="Fixed KV-cache size per GPU in GiB (overrides "
                                              "gpu_memory_utilization for the cache; keeps prefix-cache resets cheap on small models).")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response vLLM schedules (default: the model's).")
+    streaming: bool = Field(False, description="Run vLLM's AsyncLLM: many generate calls in flight at once, and pauses "
+                            "that keep or abort running requests (needed for rollout.partial_rollouts).")
 
 
 class SGLangEngineConfig(_EngineBase):
@@ -226,6 +228,8 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
     for i, e in enumerate(cfg.engines):
         if e.sleep_level and e.placement != "colocated":
             p.append(f"engines.{i}.sleep_level: only colocated engines sleep (they share the trainer's GPU); set it to 0")
+        if e.kind == "vllm" and e.streaming and e.sleep_level:
+            p.append(f"engines.{i}.streaming: a streaming vLLM engine does not sleep here yet; set sleep_level: 0 or streaming: false")
         if e.sleep_level and e.kind == "vllm" and not e.enable_sleep_mode:
             p.append(f"engines.{i}.sleep_level: vLLM sleeps only with enable_sleep_mode: true; set it or sleep_level: 0")
     p.extend(rollout_problems(cfg))
@@ -236,7 +240,7 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
     return p
 
 
-PARTIAL_ROLLOUT_KINDS = ("hf",)   # engine kinds whose decode loop can park mid-request (engines/base.py)
+PARTIAL_ROLLOUT_KINDS = ("hf",)   # engine kinds whose decode loop can park mid-request (plus vllm with streaming)
 
 
 def rollout_problems(cfg: ExperimentConfig) -> list[str]:
@@ -246,9 +250,10 @@ def rollout_problems(cfg: ExperimentConfig) -> list[str]:
                  "set rollout.max_staleness >= 1 or partial_rollouts: false")
     if r.partial_rollouts:
         for i, e in enumerate(cfg.engines):
-            if e.kind not in PARTIAL_ROLLOUT_KINDS:
-                p.append(f"rollout.partial_rollouts: engines.{i} (kind {e.kind}) cannot pause between decode steps here; "
-                         f"use kind {' or '.join(PARTIAL_ROLLOUT_KINDS)}, or set partial_rollouts: false")
+            if e.kind not in PARTIAL_ROLLOUT_KINDS and not getattr(e, "streaming", False):
+                fix = f"set engines.{i}.streaming: true" if e.kind == "vllm" else f"use kind {' or '.join(PARTIAL_ROLLOUT_KINDS)} or vllm"
+                p.append(f"rollout.partial_rollouts: engines.{i} (kind {e.kind}) cannot pause between decode steps; "
+                         f"{fix}, or set partial_rollouts: false")
     if r.max_staleness:
         for i, e in enumerate(cfg.engines):
             if e.sleep_level:

@@ -14,13 +14,15 @@ _REGISTRY = {
     "hf": "rlhf_orch.engines.hf:HFEngine",
     "vllm": "rlhf_orch.engines.vllm:VLLMEngine",
     "sglang": "rlhf_orch.engines.sglang:SGLangEngine",
+    "vllm-streaming": "rlhf_orch.engines.vllm_async:StreamingVLLMEngine",   # kind vllm with streaming: true
 }
+_PUBLIC = ("hf", "vllm", "sglang")
 
 
 def engine_class(kind: str):
     target = _REGISTRY.get(kind)
     if target is None:
-        raise ConfigError(f"engines.kind: unknown engine kind {kind!r}; use one of: {', '.join(_REGISTRY)}")
+        raise ConfigError(f"engines.kind: unknown engine kind {kind!r}; use one of: {', '.join(_PUBLIC)}")
     mod, _, cls = target.partition(":")
     try:
         return getattr(importlib.import_module(mod), cls)

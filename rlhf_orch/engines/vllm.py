@@ -35,7 +35,7 @@ class VLLMEngine(EngineLifecycle):
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,
                  enable_sleep_mode: bool = True, enforce_eager: bool = False, tensor_parallel_size: int = 1,
                  max_model_len: int | None = None, load_format: str = "auto", kv_cache_memory_gb: float | None = None,
-                 **_ignored: Any):
+                 streaming: bool = False, **_ignored: Any):
         if _ignored:
             logger.debug("engine %s: ignoring options %s", name, sorted(_ignored))
         self.name = name
@@ -45,10 +45,6 @@ class VLLMEngine(EngineLifecycle):
         self._placement_id = device_id
         self._init_lifecycle()
         self._ids: list[str] | None = None
-        try:
-            from vllm import LLM
-        except ImportError as e:
-            raise EngineError(f"engine {name}: vLLM is not installed (pip install 'rlhf_orch[vllm]'): {e}") from e
         extra: dict[str, Any] = {}
         if kv_cache_memory_gb:
             # A fixed KV size instead of a share of the GPU. Besides leaving room for a colocated trainer,
@@ -60,15 +56,22 @@ class VLLMEngine(EngineLifecycle):
             # and place workers itself; the actor already holds its TP GPUs, so workers are its subprocesses.
             extra["distributed_executor_backend"] = "mp"
         try:
-            self.llm = LLM(model=model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-                           gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
-                           enforce_eager=enforce_eager, seed=seed, max_model_len=max_model_len,
-                           load_format=load_format, worker_extension_cls=EXTENSION,
-                           logprobs_mode="processed_logprobs", **extra)
+            self.llm = self._start_llm(model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
+                                       enforce_eager=enforce_eager, seed=seed, max_model_len=max_model_len,
+                                       load_format=load_format, worker_extension_cls=EXTENSION,
+                                       logprobs_mode="processed_logprobs", **extra)
         except Exception as e:
             raise EngineError(f"engine {name}: vLLM failed to start from {model_path!r}: {type(e).__name__}: {e}") from e
         logger.info("engine %s: vLLM up (tp=%d, dtype=%s, sleep_mode=%s)", name, tensor_parallel_size, dtype,
                     enable_sleep_mode)
+
+    def _start_llm(self, model_path: str, **kw):
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise EngineError(f"engine {self.name}: vLLM is not installed (pip install 'rlhf_orch[vllm]'): {e}") from e
+        return LLM(model=model_path, **kw)
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _rpc(self, method: str, *args) -> list:

@@ -1,4 +1,4 @@
-"""In-flight weight updates on vLLM 0.26.0: an `AsyncLLM` on its own event-loop thread (draft).
+"""In-flight weight updates on vLLM 0.26.0: an `AsyncLLM` on its own event-loop thread.
 
 `AsyncVLLMRunner` builds a `vllm.v1.engine.async_llm.AsyncLLM` inside a dedicated asyncio loop thread
 and offers blocking, thread-safe methods for a threaded Ray actor:
@@ -16,9 +16,10 @@ core.py:911-912), after `_drain()` has let every output produced before the paus
 Exact as long as weights change only while paused. Kept requests continue on KV computed with the old
 weights unless `reset_prefix_cache(reset_running_requests=True)` makes them recompute it.
 
-It does not load or verify weights (callers send our WeightSyncWorkerExtension methods through
-`collective_rpc`), does not implement the RolloutEngine Protocol, and does not support data parallelism.
-Not yet run on a GPU: docs/async_engine_notes.md lists what must be checked. vLLM is imported lazily.
+`StreamingVLLMEngine` (bottom) is the RolloutEngine on top of it (`kind: vllm` with `streaming: true`). The runner
+does not load or verify weights (the engine sends our WeightSyncWorkerExtension methods through
+`collective_rpc`) and does not support data parallelism. docs/async_engine_notes.md has the API facts and file:line
+references this is built on. vLLM is imported lazily.
 """
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from rlhf_orch.engines.vllm import EXTENSION
+from rlhf_orch.engines.base import per_prompt_params
+from rlhf_orch.engines.vllm import EXTENSION, VLLMEngine
 from rlhf_orch.errors import EngineError
+from rlhf_orch.types import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -244,3 +247,64 @@ class AsyncVLLMRunner:
             self._thread.join(timeout=30)
             if not self._thread.is_alive():
                 self._loop.close()
+
+
+class StreamingVLLMEngine(VLLMEngine):
+    """`kind: vllm` with `streaming: true`: the VLLMEngine contract on an AsyncVLLMRunner, so the rollout manager
+    keeps many generate calls in flight (continuous batching across them) and a sync may pause them in "keep"
+    mode (partial rollouts) or "abort" them. Weight loading, checksums and sleep are VLLMEngine's, through the
+    runner's collective_rpc/sleep/wake_up, which take the same arguments as LLM's."""
+
+    supports_partial_rollouts = True
+    concurrent_generate = True
+
+    def _start_llm(self, model_path: str, **kw):
+        return AsyncVLLMRunner(model_path, **kw)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params) -> list[Sample]:
+        from vllm import SamplingParams as VSamplingParams
+
+        self._check_can_generate()
+        if not prompts:
+            return []
+        each = per_prompt_params(params, len(prompts))
+        made = {p: VSamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_new_tokens,
+                                   logprobs=0, seed=None, detokenize=True, ignore_eos=p.ignore_eos) for p in set(each)}
+        prompt_ids = [[int(t) for t in p] for p in prompts]
+        try:
+            rows = self.llm.generate(prompt_ids, [made[p] for p in each], version_fn=lambda: self.weight_version)
+        except EngineError:
+            raise
+        except Exception as e:
+            raise EngineError(f"engine {self.name}: generate failed: {type(e).__name__}: {e}") from e
+        samples = []
+        for i, _idx, toks, lps, versions, reason, text in rows:
+            if reason not in ("stop", "length", "abort"):
+                raise EngineError(f"engine {self.name}: a request finished with {reason!r}")
+            if reason != "abort" and len(lps) != len(toks):
+                raise EngineError(f"engine {self.name}: vLLM returned no per-token logprobs for a completion")
+            samples.append(Sample(prompt_index=i, prompt_ids=prompt_ids[i], response_ids=toks, logprobs=lps,
+                                  finish_reason=reason, weight_version=versions[0] if versions else self.weight_version,
+                                  engine=self.name, text=text or "", token_versions=list(versions)))
+        return samples
+
+    def pause(self, mode: str = "wait") -> None:
+        if mode not in ("wait", "keep", "abort"):
+            raise EngineError(f"engine {self.name}: unknown pause mode {mode!r}")
+        self.llm.pause(mode)          # returns once vLLM is paused and earlier outputs reached the streams
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self.llm.resume()             # later tokens are stamped with the weight_version finish_sync set
+
+    def finish_sync(self, version: int) -> None:
+        """Kept requests hold KV blocks computed with the old weights: reset them too (they re-prefill on resume,
+        under the new weights), so neither they nor new requests with the same prompt reuse stale KV."""
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise EngineError(f"engine {self.name}: vLLM could not reset its prefix cache")
+        self.weight_version = version
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.llm.shutdown()

@@ -164,6 +164,9 @@ class DeepSpeedTrainer:
         adv = batch.advantages.to(self.device)
         ref = None
         if self.kl_coef > 0:
+            if self.ref_model is None:
+                raise TrainerError(f"trainer rank {self.rank}: algorithm.kl_coef > 0 but no KL reference was taken; "
+                                   "call snapshot_reference() before the first train step")
             with torch.no_grad():
                 ref = self._logprobs(self.ref_model, batch)
         if self.ppo_epochs > 1 and batch.old_logprobs is None:
@@ -177,20 +180,25 @@ class DeepSpeedTrainer:
             olds: list[torch.Tensor] = []
             for rows in self._micro_batches(len(batch)):
                 mb = batch.select(rows)
-                mmask, madv = mask[rows], adv[rows]
+                # Micro-batches drop the right padding beyond their own longest row (a long-tailed batch is
+                # mostly padding otherwise); the whole-shard path keeps the batch's width, as before.
+                width = int(mb.attention_mask.sum(1).max()) if self.micro_batch_size else mb.input_ids.shape[1]
+                cols = slice(0, max(width, 1))
+                mb = mb.trim(cols.stop)
+                mmask, madv = mask[rows, cols], adv[rows]
                 lp = self._logprobs(self.engine.module, mb)
                 if old is None:
                     old_mb = lp.detach()   # on-policy first pass: ratio is exactly 1 (saves a forward)
-                    olds.append(old_mb)
+                    olds.append(torch.nn.functional.pad(old_mb, (0, mask.shape[1] - old_mb.shape[1])))
                 else:
-                    old_mb = old[rows]
+                    old_mb = old[rows, cols]
                 per_tok, m = policy_loss(lp, old_mb, madv, mmask, self.clip_eps, self.clip_eps_high)
                 if self.off_policy != "none":   # old = trainer (proximal), engine = behaviour policy
-                    weights, wm = off_policy_weights(old_mb, eng[rows], mmask, self.off_policy, **self.off_policy_kwargs)
+                    weights, wm = off_policy_weights(old_mb, eng[rows, cols], mmask, self.off_policy, **self.off_policy_kwargs)
                     per_tok = per_tok * weights
                     m.update(wm)
                 if ref is not None:
-                    kl = kl_divergence(lp, ref[rows], self.kl_estimator)
+                    kl = kl_divergence(lp, ref[rows, cols], self.kl_estimator)
                     per_tok = per_tok + self.kl_coef * kl * mmask
                     m["kl"] = float(masked_mean(kl.detach(), mmask))
                 # Each micro-batch's token sum over the *global* token count: summing them is the token mean.

@@ -1,0 +1,235 @@
+"""Whole-step throughput of streaming rollouts: the synchronous loop vs max_staleness 1 vs 1 + partial rollouts.
+
+    python bench/async_rl.py --out bench/RESULTS_async.md     # nvidia-h200-x2: trainer GPU 0, streaming vLLM GPU 1
+    python bench/async_rl.py --dry-run                        # CPU smoke of the script (tiny model, hf engine)
+
+One cluster (launch.py's own actors and `rl_step`), one workload, the three modes run in interleaved segments
+(sync, k1, k1p, sync, k1, k1p, ...), each `--warmup` steps (pipeline fill, not measured) + `--steps` measured.
+Workload: a Llama-3.2-1B-shaped policy with random bf16 weights, `--prompts` x `--group` samples per step, response
+lengths per prompt from a lognormal (median `--median`, sigma `--sigma`, capped at `--cap`) enforced with
+per-request max_tokens and ignore_eos. The dataset is exactly one step of prompts whose lengths are the lognormal's
+quantiles, so every step of every mode generates the same multiset of lengths (the tail included).
+
+Per mode: steps/s and trained tokens/s (median over segments, and the spread), each GPU's busy fraction (trainer:
+train + sync spans; engine: some generate call in flight), and the share of the sync on the critical path (all of it when
+the next step's groups were dispatched after it, as in the synchronous loop; otherwise the part that ran after the next
+step's batch was ready, i.e. while the trainer could have trained). Target (issue
+#13): k1 throughput >= 0.9 x the ideal bound (generate + train + sync) / max(generate, train + sync) of the sync
+mode's own phase medians; partial rollouts faster than plain k1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MODES = {"sync": dict(max_staleness=0, partial_rollouts=False), "k1": dict(max_staleness=1, partial_rollouts=False),
+         "k1p": dict(max_staleness=1, partial_rollouts=True)}
+
+
+def reward(response: str, row: dict) -> float:
+    """A deterministic 0/1 reward from the text (random-weight models write noise; GRPO needs some spread)."""
+    return float(zlib.crc32((row["prompt"] + response).encode()) % 2)
+
+
+def lengths(n: int, median: float, sigma: float, cap: int) -> list[int]:
+    z = [statistics.NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)]
+    return [max(1, min(cap, round(median * math.exp(sigma * x)))) for x in z]
+
+
+def build(args, out: Path):
+    """Model folder, dataset rows and config for the run."""
+    import random
+    from rlhf_orch.models import TinyModelSpec, build_tokenizer, ensure_model_dir
+    from rlhf_orch.models.tiny import CHARS
+    tok = build_tokenizer()
+    if args.dry_run:
+        model_path = str(ensure_model_dir("tiny-llama", TinyModelSpec(), out / "models", seed=0))
+    else:
+        import torch
+        from transformers import AutoModelForCausalLM, LlamaConfig
+        from bench.weight_sync_vllm import SHAPES
+        model_path = str(out / "llama-3.2-1b-random")
+        if not (Path(model_path) / "config.json").exists():
+            cfg = LlamaConfig(**SHAPES["llama-3.2-1b"], max_position_embeddings=args.cap + 64, bos_token_id=1,
+                              eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16", architectures=["LlamaForCausalLM"])
+            torch.manual_seed(0)
+            with torch.device("cuda"):
+                model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+            model.save_pretrained(model_path)
+            tok.save_pretrained(model_path)
+            del model
+            torch.cuda.empty_cache()
+    rng = random.Random(0)
+    letters = [c for c in CHARS if c.strip()]
+    rows = [{"prompt": "".join(rng.choice(letters) for _ in range(rng.randint(8, 16))), "max_new_tokens": n,
+             "ignore_eos": True} for n in lengths(args.prompts, args.median, args.sigma, args.cap)]
+    data = out / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    total = len(args.modes.split(",")) * args.segments * (args.warmup + args.steps)
+    engine = {"kind": "hf", "name": "hf", "placement": "dedicated"} if args.dry_run else {
+        "kind": "vllm", "name": "vllm", "placement": "dedicated", "streaming": True, "gpu_memory_utilization": 0.85,
+        "max_model_len": args.cap + 64, "kv_cache_memory_gb": args.kv_cache_gb}   # bounds the blocks a cache reset walks
+    engine["sampling"] = {"temperature": 1.0, "max_new_tokens": args.cap}
+    cfg = {
+        "experiment": {"name": "async_rl", "output_dir": str(out), "steps": total, "log_samples_every": 0},
+        "model": {"path": "builtin:tiny-llama" if args.dry_run else model_path,
+                  "dtype": "float32" if args.dry_run else "bfloat16"},
+        "data": {"source": str(data), "prompts_per_step": args.prompts, "max_prompt_tokens": 32},
+        "algorithm": {"name": "grpo", "group_size": args.group, "kl_coef": 0.0},
+        "trainer": {"num_ranks": 1, "device": "cpu" if args.dry_run else "cuda", "zero_stage": 0 if args.dry_run else 1,
+                    "bf16": not args.dry_run, "lr": 1e-6, "micro_batch_size": args.micro_batch, "export_hf": False},
+        "engines": [engine],
+        # validated once with the most demanding mode; modes switch per segment (Cluster.start_rollouts overrides)
+        "rollout": {"max_staleness": 1, "partial_rollouts": True, "dispatch_groups": args.dispatch_groups},
+        "weight_sync": {"bucket_size_mb": 1 if args.dry_run else 512},
+        "reward": {"function": "bench.async_rl:reward", "num_workers": 2},
+        "metrics": {"tensorboard": False, "ray_metrics": False, "plots": True},
+        "ray": {"num_cpus": 2} if args.dry_run else {},
+    }
+    path = out / "async_rl.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return model_path, path
+
+
+def analyze(cluster, mode: str, recs: list[dict], windows: list[tuple[float, float]]) -> dict:
+    from rlhf_orch.metrics.timeline import Timeline
+    t0, t1 = windows[0][0], windows[-1][1]
+    wall = t1 - t0
+    tl = Timeline(0.0)
+    tl.extend(cluster.timeline.events)
+    merged = Timeline(0.0)
+    merged.extend([{**e, "actor": "trainer-gpu"} for e in cluster.timeline.events if e["actor"] in ("trainer", "weight-sync")])
+    engines = sorted({e["actor"] for e in cluster.timeline.events if e["actor"].startswith("engine:")})
+    syncs = {e["version"]: (e["start"], e["end"]) for e in cluster.timeline.events if e["actor"] == "weight-sync"}
+    crit, total = 0.0, 0.0
+    for a, b in zip(recs, recs[1:]):   # sync of step a vs the moment step b's batch was ready
+        s0, s1 = syncs[a["step"]]
+        if b["perf/batch_dispatch_t"] >= s1:   # step b's groups needed this sync (max_staleness 0): all of it waits
+            crit += s1 - s0
+        else:                                  # only the part after step b's batch was ready held the trainer back
+            crit += max(0.0, s1 - max(s0, b["perf/batch_ready_t"]))
+        total += s1 - s0
+    med = lambda k: statistics.median(r[k] for r in recs)
+    return {"mode": mode, "steps": len(recs), "wall_s": wall, "steps_per_s": len(recs) / wall,
+            "tokens_per_s": sum(r["rollout/tokens"] for r in recs) / wall,
+            "trainer_busy": merged.busy_fraction("trainer-gpu", t0, t1),
+            "engine_busy": statistics.mean(tl.busy_fraction(e, t0, t1) for e in engines) if engines else 0.0,
+            "sync_critical_share": crit / total if total else float("nan"),
+            "generate_s": med("perf/generate_s"), "train_s": med("perf/train_s"), "sync_s": med("perf/sync_s"),
+            "step_s": med("perf/step_s"), "lag1_frac": sum(r.get("staleness/lag_1", 0.0) for r in recs) / sum(r["rollout/tokens"] for r in recs),
+            "spanning_frac": statistics.mean(r["staleness/spanning_frac"] for r in recs)}
+
+
+def table(per_mode: dict[str, list[dict]], args) -> str:
+    med = lambda xs: statistics.median(xs)
+    sync = per_mode.get("sync")
+    bound = None
+    if sync:
+        g, t, s = (med([x[k] for x in sync]) for k in ("generate_s", "train_s", "sync_s"))
+        bound = (g + t + s) / max(g, t + s)
+    base = med([x["steps_per_s"] for x in sync]) if sync else None
+    lines = [f"workload: {args.prompts} prompts x {args.group}, lognormal lengths median {args.median} sigma {args.sigma} "
+             f"cap {args.cap}, {args.segments} segments x ({args.warmup} warm-up + {args.steps} measured steps) per mode, interleaved",
+             "", "| mode | steps/s (median; min-max) | tokens/s | x sync | x ideal bound | trainer GPU busy | engine GPU busy | "
+             "sync on critical path | gen / train / sync s (median) | lag-1 tokens | spanning |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, xs in per_mode.items():
+        sps = [x["steps_per_s"] for x in xs]
+        speed = med(sps) / base if base else float("nan")
+        lines.append(f"| {mode} | {med(sps):.4f}; {min(sps):.4f}-{max(sps):.4f} | {med([x['tokens_per_s'] for x in xs]):.0f} | "
+                     f"{speed:.3f} | {speed / bound if bound else float('nan'):.3f} | {med([x['trainer_busy'] for x in xs]):.2f} | "
+                     f"{med([x['engine_busy'] for x in xs]):.2f} | {med([x['sync_critical_share'] for x in xs]):.2f} | "
+                     f"{med([x['generate_s'] for x in xs]):.2f} / {med([x['train_s'] for x in xs]):.2f} / "
+                     f"{med([x['sync_s'] for x in xs]):.3f} | {med([x['lag1_frac'] for x in xs]):.2f} | "
+                     f"{med([x['spanning_frac'] for x in xs]):.2f} |")
+    if bound:
+        lines += ["", f"ideal bound from the sync mode's phases: (generate + train + sync) / max(generate, train + sync) = {bound:.3f}x; "
+                  f"target: k1 >= {0.9 * bound:.3f}x sync"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU smoke: tiny model, hf engine, tiny workload")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--median", type=float, default=300)
+    p.add_argument("--sigma", type=float, default=0.8)
+    p.add_argument("--cap", type=int, default=2048)
+    p.add_argument("--modes", default="sync,k1,k1p")
+    p.add_argument("--segments", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--kv-cache-gb", type=float, default=40.0)
+    p.add_argument("--dispatch-groups", type=int, default=8, help="groups per generate call (streaming engines take many)")
+    p.add_argument("--workdir", default="/tmp/async_rl_bench")
+    p.add_argument("--out", default=None, help="append the table to this markdown file")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.prompts, args.group, args.median, args.cap, args.steps = 8, 4, 6, 24, 2
+        args.micro_batch, args.dispatch_groups = 4, 2
+    import logging
+    import os
+    logging.basicConfig(level=os.environ.get("RLHF_ORCH_LOG_LEVEL", "WARNING"))
+    import launch
+    from actors.builder import Cluster
+    from rlhf_orch.config import load_config
+    from rlhf_orch.data import PromptDataset, load_rows
+    from transformers import AutoTokenizer
+
+    out = Path(args.workdir)
+    out.mkdir(parents=True, exist_ok=True)
+    t_build = time.time()
+    model_path, cfg_path = build(args, out)
+    cfg = load_config(cfg_path)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    dataset = PromptDataset(load_rows(cfg.data.source), tok, cfg.data.max_prompt_tokens, 0)
+    print(f"model + data ready in {time.time() - t_build:.0f}s", flush=True)
+    cluster = Cluster.start(cfg, out / "async_rl", model_path, dataset, tok.pad_token_id)
+    per_mode: dict[str, list[dict]] = {m: [] for m in args.modes.split(",")}
+    try:
+        cluster.sync(0)
+        step = 1
+        print(f"cluster up and synced at {time.time() - t_build:.0f}s", flush=True)
+        for seg in range(args.segments):
+            for mode in per_mode:
+                n = args.warmup + args.steps
+                cluster.start_rollouts(step, step - 1, None, last_step=step + n - 1, **MODES[mode])
+                recs, windows = [], []
+                for s in range(step, step + n):
+                    a = time.time() - cluster.timeline.t0
+                    m, _ = launch.rl_step(cluster, cfg, s)
+                    windows.append((a, time.time() - cluster.timeline.t0))
+                    recs.append({"step": s, **m})
+                    cluster.sinks.write(s, {**m, "bench/mode": float(list(MODES).index(mode))})
+                    print(f"seg {seg} {mode:4s} step {s}: {m['perf/step_s']:.2f}s (wait {m['perf/generate_s']:.2f} "
+                          f"train {m['perf/train_s']:.2f} sync {m['perf/sync_s']:.3f}) tokens {m['rollout/tokens']:.0f} "
+                          f"lag1 {m.get('staleness/lag_1', 0):.0f} spanning {m['staleness/spanning_frac']:.2f}", flush=True)
+                step += n
+                per_mode[mode].append(analyze(cluster, mode, recs[args.warmup:], windows[args.warmup:]))
+                print(json.dumps(per_mode[mode][-1]), flush=True)
+        text = table(per_mode, args)
+        print(text, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(f"\n## bench/async_rl.py ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
+        (out / "async_rl.json").write_text(json.dumps(per_mode, indent=1))
+    finally:
+        cluster.close([], None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
