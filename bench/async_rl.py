@@ -1,6 +1,7 @@
 """Whole-step throughput of streaming rollouts: the synchronous loop vs max_staleness 1 vs 1 + partial rollouts.
 
     python bench/async_rl.py --out bench/RESULTS_async.md     # nvidia-h200-x2: trainer GPU 0, streaming vLLM GPU 1
+    python bench/async_rl.py --colocated                      # one GPU: vLLM beside the trainer, CUDA IPC sync
     python bench/async_rl.py --dry-run                        # CPU smoke of the script (tiny model, hf engine)
 
 One cluster (launch.py's own actors and `rl_step`), one workload, the three modes run in interleaved segments
@@ -77,8 +78,10 @@ def build(args, out: Path):
     data = out / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     total = len(args.modes.split(",")) * args.segments * (args.warmup + args.steps)
-    engine = {"kind": "hf", "name": "hf", "placement": "dedicated"} if args.dry_run else {
-        "kind": "vllm", "name": "vllm", "placement": "dedicated", "streaming": True, "gpu_memory_utilization": 0.85,
+    placement = "colocated" if args.colocated else "dedicated"
+    engine = {"kind": "hf", "name": "hf", "placement": placement} if args.dry_run else {
+        "kind": "vllm", "name": "vllm", "placement": placement, "streaming": True,
+        "gpu_memory_utilization": 0.45 if args.colocated else 0.85,
         "max_model_len": args.cap + 64, "kv_cache_memory_gb": args.kv_cache_gb}   # bounds the blocks a cache reset walks
     engine["sampling"] = {"temperature": 1.0, "max_new_tokens": args.cap}
     cfg = {
@@ -139,7 +142,8 @@ def table(per_mode: dict[str, list[dict]], args) -> str:
         g, t, s = (med([x[k] for x in sync]) for k in ("generate_s", "train_s", "sync_s"))
         bound = (g + t + s) / max(g, t + s)
     base = med([x["steps_per_s"] for x in sync]) if sync else None
-    lines = [f"workload: {args.prompts} prompts x {args.group}, lognormal lengths median {args.median} sigma {args.sigma} "
+    where = "colocated on one GPU (CUDA IPC)" if args.colocated else "trainer GPU 0, vLLM GPU 1 (NCCL)"
+    lines = [f"{where}; workload: {args.prompts} prompts x {args.group}, lognormal lengths median {args.median} sigma {args.sigma} "
              f"cap {args.cap}, {args.segments} segments x ({args.warmup} warm-up + {args.steps} measured steps) per mode, interleaved",
              "", "| mode | steps/s (median; min-max) | tokens/s | x sync | x ideal bound | trainer GPU busy | engine GPU busy | "
              "sync on critical path | gen / train / sync s (median) | lag-1 tokens | spanning |",
@@ -173,9 +177,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--kv-cache-gb", type=float, default=40.0)
+    p.add_argument("--colocated", action="store_true", help="one GPU: vLLM beside the trainer (both resident, CUDA IPC "
+                   "sync); without it the trainer has GPU 0 and vLLM GPU 1 (NCCL)")
     p.add_argument("--dispatch-groups", type=int, default=8, help="groups per generate call (streaming engines take many)")
     p.add_argument("--workdir", default="/tmp/async_rl_bench")
     p.add_argument("--out", default=None, help="append the table to this markdown file")
+    p.add_argument("--copy-to", default=None, help="copy timeline, metrics and plot here at the end (e.g. $OUT)")
     args = p.parse_args(argv)
     if args.dry_run:
         args.prompts, args.group, args.median, args.cap, args.steps = 8, 4, 6, 24, 2
@@ -215,7 +222,8 @@ def main(argv=None) -> int:
                     recs.append({"step": s, **m})
                     cluster.sinks.write(s, {**m, "bench/mode": float(list(MODES).index(mode))})
                     print(f"seg {seg} {mode:4s} step {s}: {m['perf/step_s']:.2f}s (wait {m['perf/generate_s']:.2f} "
-                          f"train {m['perf/train_s']:.2f} sync {m['perf/sync_s']:.3f}) tokens {m['rollout/tokens']:.0f} "
+                          f"train {m['perf/train_s']:.2f} sync {m['perf/sync_s']:.3f}, engines paused "
+                          f"{m['sync/pause_s']:.3f} of it) tokens {m['rollout/tokens']:.0f} "
                           f"lag1 {m.get('staleness/lag_1', 0):.0f} spanning {m['staleness/spanning_frac']:.2f}", flush=True)
                 step += n
                 per_mode[mode].append(analyze(cluster, mode, recs[args.warmup:], windows[args.warmup:]))
@@ -228,6 +236,12 @@ def main(argv=None) -> int:
         (out / "async_rl.json").write_text(json.dumps(per_mode, indent=1))
     finally:
         cluster.close([], None)
+        if args.copy_to:   # the device machine returns only what is under $OUT
+            import shutil
+            run = out / "async_rl"
+            for f in (run / "timeline.jsonl", run / "metrics.jsonl", run / "plots" / "timeline.png", out / "async_rl.json"):
+                if f.exists():
+                    shutil.copy(f, Path(args.copy_to) / f.name)
     return 0
 
 
