@@ -116,7 +116,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
             m, meta = rl_step(cluster, cfg, step)
             records.append({"step": step, **m})
             cluster.log_rollouts(step, meta)
-            rollout_state = cluster.rollout_state()
+            rollout_state = meta["state"]   # the data cursor and untrained draws after this step
             syncs, verified = syncs + 1, verified + int(m["sync/checksum_ok"] == 1.0)
             sinks.write(step, m)
             bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}", kl=f"{m.get('train/kl', 0.0):.4f}",

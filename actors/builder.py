@@ -158,8 +158,8 @@ class Cluster:
         m, sinks = self.cfg.metrics, []
         if m.jsonl:
             path = self.run_dir / "metrics.jsonl"
-            if not self.cfg.resume and path.exists():   # a fresh run in a used folder starts a fresh file
-                path.unlink()
+            if self.resume_from is None and path.exists():   # a fresh start (resume=true without a checkpoint too)
+                path.unlink()                                 # must not append to an earlier run's records
             sinks.append(JsonlSink(path))
         if m.tensorboard:
             sinks.append(TensorBoardSink(self.run_dir / "tb"))
@@ -184,8 +184,10 @@ class Cluster:
                                               overrides), "rollout manager to start")
 
     def release(self, version: int) -> None:
-        """Engines hold `version` (synced and checkpointed): the manager may start groups that need it."""
-        self._rget(self.rollouts.set_version.remote(version), "rollout manager")
+        """Engines hold `version` (synced and checkpointed): the manager may start groups that need it. Not
+        awaited: Ray runs one caller's calls to an actor in order, so the next `next_batch` comes after it, and
+        a failure there surfaces through next_batch."""
+        self.rollouts.set_version.remote(version)
 
     def next_batch(self, step: int):
         """(metadata, per-rank object refs) of step `step`; waits for its groups (generation + rewards)."""
@@ -203,9 +205,6 @@ class Cluster:
         self._rollout_log.write(json.dumps({"step": step, "sources": meta["sources"],
                                             "groups_filtered": meta["metrics"].get("rollout/groups_filtered", 0)}) + "\n")
         self._rollout_log.flush()
-
-    def rollout_state(self) -> dict:
-        return self._rget(self.rollouts.state.remote(), "rollout manager state")
 
     def to_generate(self) -> dict:
         """Colocation: trainers offload, sleeping engines take their KV cache back (no-op otherwise)."""

@@ -98,7 +98,9 @@ class RolloutManager:
                    **{f"ledger/{k}": float(v) for k, v in led.items()}}
         events = self.timeline.events[self._sent_events:]
         self._sent_events += len(events)
-        meta = {"metrics": metrics, "tokens": sb.tokens, "example": sb.example, "sources": sb.sources, "events": events}
+        # `state` is what a checkpoint after this step holds (this batch counts as trained once the step completes).
+        meta = {"metrics": metrics, "tokens": sb.tokens, "example": sb.example, "sources": sb.sources, "events": events,
+                "state": self.state()}
         return meta, [ray.put(b) for b in sb.shards]
 
     def restore_data(self, data_state: dict) -> None:

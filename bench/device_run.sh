@@ -14,8 +14,12 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT
 case "${1:-tests}" in
   tests)
     python3 -c "import torch, vllm, deepspeed, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__, 'ray', ray.__version__)" 2>&1 | tail -1
-    timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" tests/gpu ${2:-} 2>&1 \
-      | tee "$OUT/gpu_tests.log" | grep -vE "^\s*$|Warning|warn\(" | tail -40 ;;
+    # One pytest process per file: vLLM forks its engine core, and a process where an earlier module's engine
+    # initialised CUDA cannot fork a working one ("CUDA error: initialization error", seen 2026-11-23).
+    for f in ${2:-tests/gpu/test_*.py}; do
+      timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" "$f" 2>&1 \
+        | tee -a "$OUT/gpu_tests.log" | grep -vE "^\s*$|Warning|warn\(" | tail -8
+    done ;;
   configs)
     shift
     i=0

@@ -3,8 +3,10 @@
 `AsyncVLLMRunner` builds a `vllm.v1.engine.async_llm.AsyncLLM` inside a dedicated asyncio loop thread
 and offers blocking, thread-safe methods for a threaded Ray actor:
 - `generate(prompt_ids, sp, version_fn)`: every prompt at once (one request each, `sp.n` samples),
-  streamed with output_kind CUMULATIVE; each generated token is stamped with the weight version in
-  force when it was sampled.
+  streamed with output_kind DELTA (each output carries only the new tokens, so the front-end's work per
+  request stays linear in its length; CUMULATIVE re-sent every token list each step); the runner assembles
+  token ids, logprobs and text per sample and stamps each token with the weight version in force when it
+  was sampled (stamped on arrival; see below).
 - `pause(mode)` / `resume()` wrap `AsyncLLM.pause_generation` / `resume_generation`: "keep" freezes
   every request in the scheduler, "wait" lets running requests finish, "abort" ends them all with
   finish_reason "abort" (their partial tokens are returned; the caller re-queues them).
@@ -52,8 +54,13 @@ class _Call:
 
 @dataclass
 class _Completion:
+    """One sample (CompletionOutput.index) of a request, assembled from DELTA outputs."""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    last: Any = None   # latest CompletionOutput; CUMULATIVE, so it holds every token so far
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs_missing: bool = False   # a delta with tokens but without (enough) logprobs: report none
 
 
 class AsyncVLLMRunner:
@@ -149,26 +156,53 @@ class AsyncVLLMRunner:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        sp = sp.clone()   # not DELTA: an empty delta (abort) slices logprobs[-0:] = all (output_processor.py:401-404)
-        sp.output_kind = RequestOutputKind.CUMULATIVE
+        # What a DELTA CompletionOutput carries (vLLM 0.26.0, RequestState._new_completion_output,
+        # v1/engine/output_processor.py:385-415): token_ids = this step's new ids (with stream_interval > 1, every
+        # id not sent yet, :304-310); text = the new text only (detokenizer.py:148-164); logprobs =
+        # `logprobs[-len(token_ids):]` of the request's full list (:402-404), so an output with NO new token
+        # carries ALL logprobs so far (`[-0:]`); finish_reason is set only on the final output (str of FinishReason).
+        # Token-less outputs are always final: a step emits an output only with new tokens or a stop
+        # (scheduler.py:1798-1800); the others are abort/error finals (core.py:1790-1792 -> :1813-1826 for a pause
+        # in "abort" mode, output_processor.py:496-510 for a front-end abort, scheduler.py:1866-1884 for errors).
+        # When we lag, the collector merges outputs in place (outputs.py:159-181: token_ids, logprobs and text
+        # concatenated, finish_reason from the newest), so the spurious logprobs of a final empty delta land
+        # after every real one: the first len(token_ids) logprobs of any output we see are the right ones.
+        # n > 1: each output holds only the children with news, one CompletionOutput per index, a finished
+        # child is not repeated (parallel_sampling.py:100-126; merge by index, outputs.py:159-181), and the
+        # stream ends once every child finished (parallel_sampling.py:125, async_llm.py:579-584).
+        sp = sp.clone()
+        sp.output_kind = RequestOutputKind.DELTA
         comps: dict[int, _Completion] = {}
         async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt), sp, rid):
-            for c in out.outputs:   # n > 1: only the children with news (parallel_sampling.py:100-126)
-                st = comps.setdefault(c.index, _Completion())
-                grown = len(c.token_ids) - len(st.versions)
-                if grown > 0:
-                    st.versions.extend([call.version] * grown)
-                st.last = c
+            for c in out.outputs:
+                st = comps.get(c.index)
+                if st is None:
+                    st = comps[c.index] = _Completion()
+                new = c.token_ids
+                k = len(new)
+                if k:
+                    version = call.version
+                    st.tokens.extend(int(t) for t in new)
+                    st.versions.extend([version] * k)
+                    lp = c.logprobs
+                    if lp is not None and len(lp) >= k and not st.logprobs_missing:
+                        # one {token_id: Logprob} per position; logprobs=0 holds the sampled one. zip stops at
+                        # k: drops the all-logprobs tail of a merged final empty delta.
+                        st.logprobs.extend(float(pos[int(t)].logprob) for t, pos in zip(new, lp))
+                    else:
+                        st.logprobs_missing = True   # not requested (None), or short: never misalign
+                # k == 0: an abort/error final; its logprobs (the whole list so far) are ignored.
+                if c.text:
+                    st.text.append(c.text)
+                if c.finish_reason is not None:
+                    st.finish_reason = c.finish_reason
         if len(comps) != sp.n:
             raise EngineError(f"request {rid}: got {len(comps)} completions, expected n={sp.n}")
         rows: list[Row] = []
         for idx in sorted(comps):
-            c, versions = comps[idx].last, comps[idx].versions
-            toks = [int(t) for t in c.token_ids]
-            lps: list[float] = []
-            if c.logprobs:   # one {token_id: Logprob} per position; logprobs=0 holds the sampled one
-                lps = [float(pos[t].logprob) for t, pos in zip(toks, c.logprobs)]
-            rows.append((i, idx, toks, lps, versions[:len(toks)], c.finish_reason, c.text))
+            st = comps[idx]
+            lps = [] if st.logprobs_missing else st.logprobs
+            rows.append((i, idx, st.tokens, lps, st.versions, st.finish_reason, "".join(st.text)))
         return rows
 
     def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:

@@ -2,7 +2,9 @@
 
 A *group* is one prompt and its `group_size` samples. It is drawn once, dispatched whole to one engine
 (so the engine's prefix cache serves the group), scored, and then either trained on exactly once,
-filtered (dynamic sampling: all rewards equal), or still queued/running/buffered when the run ends.
+filtered (dynamic sampling: all rewards equal), or still queued/running/buffered when the run ends. Once the
+draws allowed by `filter_max_draws` are spent, equal-reward groups are kept (and counted as `kept_over_cap`)
+rather than leaving a step without a batch.
 
 Versions. Step s trains policy version s-1 (the weights synced after step s-1). A group admitted while the
 engines hold version u may be trained by steps s with (s-1) - u <= max_staleness, so its *deadline* is
@@ -61,7 +63,8 @@ class GroupScheduler:
         self.groups: dict[int, Group] = {}
         self.requeue_first: list[Prompt] = []     # draws of an earlier run segment, served before new ones
         self.outstanding = {e: 0 for e in self.engines}   # samples dispatched and not yet returned
-        self.counts = {"drawn": 0, "dispatched": 0, "trained": 0, "filtered": 0, "aborted": 0, "requeued_on_resume": 0}
+        self.counts = {"drawn": 0, "dispatched": 0, "trained": 0, "filtered": 0, "aborted": 0, "requeued_on_resume": 0,
+                       "kept_over_cap": 0}
         self._next_gid = 0
         self._filtered_since_batch = 0
 
@@ -134,6 +137,11 @@ class GroupScheduler:
         """Rewards arrived; returns False if dynamic sampling filtered the group (all rewards equal)."""
         g.rewards, g.ready_at = list(rewards), now
         if self.filter_groups and len(rewards) > 1 and max(rewards) == min(rewards):
+            if self.counts["drawn"] >= self.filter_max_draws * self.budget():
+                # No replacement may be drawn: keep it (no GRPO signal, but the batch fills and the run goes on).
+                self.counts["kept_over_cap"] += 1
+                g.state = READY
+                return True
             g.state, g.samples = FILTERED, []
             del self.groups[g.gid]      # kept only as a count: the ledger must not grow with the run
             self.counts["filtered"] += 1
@@ -158,6 +166,7 @@ class GroupScheduler:
             return chosen
         if any(g.state != READY for g in unconsumed) or self.can_admit():
             return None
+        # Defensive: with equal-reward groups kept once the draw cap is spent, a step always gets its groups.
         if not chosen:
             raise RolloutError(f"rollout.filter_groups: no group left to train step {step}: every group drawn had "
                                f"equal rewards and the draw cap (rollout.filter_max_draws={self.filter_max_draws}) is "

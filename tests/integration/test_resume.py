@@ -43,3 +43,8 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(tmp_path):
 def test_resume_without_checkpoint_starts_fresh(tmp_path):
     recs = _run(tmp_path, "fresh", 1, "resume=true", "trainer.warm_start_steps=0")
     assert [r["step"] for r in recs] == [1]
+    # an earlier run's records in the folder, but no checkpoint: a fresh start must not append to them
+    import shutil
+    shutil.rmtree(tmp_path / "fresh" / "checkpoints")
+    recs = _run(tmp_path, "fresh", 1, "resume=true", "trainer.warm_start_steps=0")
+    assert [r["step"] for r in recs] == [1]

@@ -108,3 +108,34 @@ def test_engines_must_share_one_temperature(tmp_path):
     p = write(tmp_path, "engines:\n  - {kind: hf, name: a, sampling: {temperature: 1.0}}\n  - {kind: hf, name: b, sampling: {temperature: 0.7}}\n")
     (msg,) = problems(p)
     assert msg.startswith("engines.*.sampling.temperature: engines use different temperatures [0.7, 1.0]")
+
+
+def test_rollout_settings_are_checked_before_anything_starts():
+    cfg = str(ROOT / "configs/tiny_cpu.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg, ["rollout.max_staleness=-1"])
+    assert str(e.value).startswith("rollout.max_staleness: Input should be greater than or equal to 0")
+    with pytest.raises(ConfigError, match=r"rollout.partial_rollouts: with max_staleness 0 no request runs"):
+        load_config(cfg, ["rollout.partial_rollouts=true"])
+    with pytest.raises(ConfigError, match=r"algorithm.off_policy: Input should be 'none', 'tis', 'mis' or 'decoupled'"):
+        load_config(cfg, ["algorithm.off_policy=ppo"])
+    with pytest.raises(ConfigError, match=r"rollout.filter_groups: a group of one sample"):
+        load_config(cfg, ["rollout.filter_groups=true", "algorithm.group_size=1"])
+    ok = load_config(cfg, ["rollout.max_staleness=2", "rollout.partial_rollouts=true", "algorithm.off_policy=decoupled"])
+    assert ok.rollout.max_staleness == 2 and ok.algorithm.off_policy == "decoupled"
+
+
+def test_partial_rollouts_need_engines_that_can_pause(tmp_path):
+    p = write(tmp_path, "trainer: {device: cuda, num_ranks: 1}\nrollout: {max_staleness: 1, partial_rollouts: true}\n"
+                        "engines:\n  - {kind: vllm}\n  - {kind: sglang}\n  - {kind: vllm, streaming: true}\n")
+    msgs = problems(p)
+    assert "rollout.partial_rollouts: engines.0 (kind vllm) cannot pause between decode steps; set engines.0.streaming: true, or set partial_rollouts: false" in msgs
+    assert any(m.startswith("rollout.partial_rollouts: engines.1 (kind sglang) cannot pause") for m in msgs)
+    assert not any("engines.2" in m for m in msgs)
+
+
+def test_sleeping_colocated_engine_cannot_run_ahead(tmp_path):
+    p = write(tmp_path, "trainer: {num_ranks: 1, offload: true}\nrollout: {max_staleness: 1}\n"
+                        "engines:\n  - {kind: hf, placement: colocated, sleep_level: 2}\n")
+    (msg,) = problems(p)
+    assert msg.startswith("engines.0.sleep_level: a sleeping colocated engine cannot generate while the trainer trains")

@@ -35,7 +35,8 @@ def test_unknown_kind_and_lazy_registry():
     with pytest.raises(ConfigError, match="unknown engine kind 'x'"):
         engine_class("x")
     # A fresh interpreter: importing the library must not pull in any engine or DeepSpeed.
-    code = ("import sys, rlhf_orch.config, rlhf_orch.engines, rlhf_orch.weight_sync, rlhf_orch.trainer, rlhf_orch.metrics;"
+    code = ("import sys, rlhf_orch.config, rlhf_orch.engines, rlhf_orch.weight_sync, rlhf_orch.trainer, rlhf_orch.metrics, "
+            "rlhf_orch.rollout, rlhf_orch.rollout.batching, rlhf_orch.engines.vllm_async;"
             "bad = [m for m in ('vllm', 'sglang', 'deepspeed', 'ray') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -81,26 +81,11 @@ def test_filter_refills_and_caps_draws():
     finish(s, plan, rewards=(1.0, 1.0))              # both filtered
     assert s.ledger()["filtered"] == 2 and s.select_batch(1) is None
     assert len(s.admit()) == 2                       # refill: drawn 4 = cap 2.0 * budget 2
-    finish(s, s.plan_dispatch(), rewards=(1.0, 1.0))
+    finish(s, s.plan_dispatch(), rewards=(1.0, 1.0))  # equal again, but no replacement may be drawn: kept
     assert s.admit() == []
-    with pytest.raises(RolloutError, match="filter_max_draws"):
-        s.select_batch(1)
-
-
-def test_short_batch_when_the_cap_is_spent():
-    s = make(k=0, B=2, engines=("a",), filter_groups=True, filter_max_draws=1.5)
-    s.admit()
-    plan = s.plan_dispatch()
-    engine, groups = plan[0]
-    samples = [[Sample(0, [], [1], [0.0], "stop", 0)] * 2 for _ in groups]
-    g0, g1 = s.on_generated(engine, groups, samples, 0.0)
-    s.on_scored(g0, [1.0, 1.0], 1.0)                 # filtered
-    s.on_scored(g1, [0.0, 1.0], 1.0)
-    assert len(s.admit()) == 1                       # 3 draws = 1.5 * 2
-    finish(s, s.plan_dispatch(), rewards=(2.0, 2.0))
-    batch = s.select_batch(1)
-    assert [g.gid for g in batch] == [1]             # one group instead of two: the cap is spent
-    assert s.take(batch) == 2
+    led = s.ledger()
+    assert led["filtered"] == 2 and led["kept_over_cap"] == 2 and led["balanced"] == 1
+    assert [g.gid for g in s.select_batch(1)] == [2, 3]
 
 
 def test_aborted_groups_are_requeued_and_pending_survives_a_checkpoint():
