@@ -4,7 +4,7 @@
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- python launch.py --config configs/tiny_cpu.yaml
 
 Story: validate everything -> allocate -> build actors -> (warm start) -> initial sync -> per step:
-release the new version to the rollout manager -> take the step's batch (generated and scored as groups
+take the step's batch from the rollout manager (generated and scored as groups
 finish, see actors/rollout_manager.py) -> train -> sync -> log/checkpoint. With rollout.max_staleness 0 the
 manager starts a step's groups only after the previous sync: the synchronous loop exactly. With k >= 1 the
 engines keep generating for later steps while the trainer trains. Colocated runs hand each shared GPU from
@@ -57,10 +57,9 @@ def rl_step(cluster, cfg, step: int) -> tuple[dict, dict]:
     with timer.phase("step"):
         with timer.phase("to_generate"):    # colocation: trainers offload, engines wake (else no-op)
             coloc = cluster.to_generate()
-        # Engines hold version step-1: the manager admits what max_staleness allows (with 0: this step's
-        # groups, exactly the synchronous loop; with k >= 1 most were generated while the trainer trained).
-        cluster.release(step - 1)
-        with timer.phase("generate"):       # wait for the step's groups, generated and scored
+        # Engines hold version step-1: the manager admits what max_staleness allows (with 0: this step's groups,
+        # exactly the synchronous loop; with k >= 1 most were generated while the trainer trained) and waits.
+        with timer.phase("generate"):       # the step's groups, generated and scored
             meta, shards = cluster.next_batch(step)
         with timer.phase("to_train"):       # colocation: engines sleep, trainers reload
             coloc.update(cluster.to_train())

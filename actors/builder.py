@@ -1,6 +1,6 @@
 """Build and tear down everything a run needs: Ray, placement, trainer group, engines, reward
 workers, the RolloutManager, the WeightSyncCoordinator and the metric sinks. `Cluster` is the driver's
-single handle on the running system; launch.py calls its few verbs (start_rollouts, release, next_batch,
+single handle on the running system; launch.py calls its few verbs (start_rollouts, next_batch,
 train, sync, checkpoint, close). The driver holds metadata and object references, never a step's tokens.
 """
 from __future__ import annotations
@@ -183,14 +183,9 @@ class Cluster:
         self._rget(self.rollouts.start.remote(first_step, last_step or self.cfg.experiment.steps, version, pending,
                                               overrides), "rollout manager to start")
 
-    def release(self, version: int) -> None:
-        """Engines hold `version` (synced and checkpointed): the manager may start groups that need it. Not
-        awaited: Ray runs one caller's calls to an actor in order, so the next `next_batch` comes after it, and
-        a failure there surfaces through next_batch."""
-        self.rollouts.set_version.remote(version)
-
     def next_batch(self, step: int):
-        """(metadata, per-rank object refs) of step `step`; waits for its groups (generation + rewards)."""
+        """(metadata, per-rank object refs) of step `step`; tells the manager the engines hold version step-1 (it
+        may start groups that need it: with max_staleness 0, this step's) and waits for the step's groups."""
         meta, refs = self._rget(self.rollouts.next_batch.remote(step, self.timeout), f"the batch of step {step}",
                                 self.timeout + 30)
         self.timeline.extend(meta.pop("events"))

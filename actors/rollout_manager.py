@@ -70,7 +70,12 @@ class RolloutManager:
         return self.sched.ledger()
 
     async def next_batch(self, step: int, timeout_s: float):
-        """(metadata, [object ref of each rank's TrainBatch]) for `step`, once its groups are ready."""
+        """(metadata, [object ref of each rank's TrainBatch]) for `step`, once its groups are ready. The engines
+        hold version step-1 on entry: groups that need it are admitted and dispatched first."""
+        # Step `step` trains version step-1, which the engines hold now: admit what the bound allows first.
+        # (One call, not a separate set_version: Ray does not order an async actor's calls.)
+        self.sched.set_version(step - 1)
+        self._pump()
         deadline = time.monotonic() + timeout_s
         async with self._cond:
             while True:

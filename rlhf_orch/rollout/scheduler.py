@@ -168,9 +168,12 @@ class GroupScheduler:
             return None
         # Defensive: with equal-reward groups kept once the draw cap is spent, a step always gets its groups.
         if not chosen:
-            raise RolloutError(f"rollout.filter_groups: no group left to train step {step}: every group drawn had "
-                               f"equal rewards and the draw cap (rollout.filter_max_draws={self.filter_max_draws}) is "
-                               "spent; raise filter_max_draws or set filter_groups: false")
+            if self.filter_groups:
+                raise RolloutError(f"rollout.filter_groups: no group left to train step {step}: every group drawn had "
+                                   f"equal rewards and the draw cap (rollout.filter_max_draws={self.filter_max_draws}) "
+                                   "is spent; raise filter_max_draws or set filter_groups: false")
+            raise RolloutError(f"rollout manager: no group can reach step {step} (engines at version {self.version}, "
+                               f"ledger {self.ledger()}); this is a bug, please report it with the run's rollouts.jsonl")
         logger.warning("step %d trains on %d groups instead of %d (filtered groups and the draw cap)", step,
                        len(chosen), self.B)
         return chosen
