@@ -46,9 +46,10 @@ class RolloutManager:
     async def start(self, first_step: int, last_step: int, version: int, pending: list | None = None,
                     overrides: dict | None = None) -> dict:
         """Set up for steps first_step..last_step with the engines at `version`; `pending` are draws of a
-        checkpointed run not yet trained, served first. Nothing is dispatched before `set_version`. `overrides`
+        checkpointed run not yet trained, served first. Nothing is dispatched before `next_batch`. `overrides`
         change settings (max_staleness, ...) from here on: a benchmark runs modes back to back on one cluster."""
-        if self.sched is not None and self.sched.ledger()["in_flight"] + self.sched.ledger()["buffered"]:
+        led = self.sched.ledger() if self.sched is not None else {}
+        if led.get("in_flight") or led.get("buffered"):
             raise RolloutError("rollout manager: start() while groups are still in flight or buffered")
         self.s.update(overrides or {})
         s = self.s
@@ -62,12 +63,6 @@ class RolloutManager:
         if pending:
             self.sched.requeue([self.dataset.prompt(tuple(src)) for src in pending])
         return {"budget": self.sched.budget()}
-
-    async def set_version(self, version: int) -> dict:
-        """The engines now hold `version`: admit what the bound allows and dispatch it."""
-        self.sched.set_version(version)
-        self._pump()
-        return self.sched.ledger()
 
     async def next_batch(self, step: int, timeout_s: float):
         """(metadata, [object ref of each rank's TrainBatch]) for `step`, once its groups are ready. The engines
@@ -93,18 +88,16 @@ class RolloutManager:
                                        "or raise ray.get_timeout_s") from None
         filtered = self.sched.take(groups)
         s = self.s
-        gen_s = max(g.ready_at for g in groups) - min(g.dispatched_at for g in groups)
+        ready, dispatched = max(g.ready_at for g in groups), min(g.dispatched_at for g in groups)
         sb = assemble(groups, step - 1, s["max_staleness"], s["algorithm"], s["norm_adv_by_std"], s["pad_id"],
-                      s["num_ranks"], gen_s)
+                      s["num_ranks"], ready - dispatched)
         led = self.sched.ledger()
         metrics = {**sb.metrics, "rollout/groups_filtered": float(filtered),
-                   "perf/batch_ready_t": max(g.ready_at for g in groups) - self.timeline.t0,
-                   "perf/batch_dispatch_t": min(g.dispatched_at for g in groups) - self.timeline.t0,
+                   "perf/batch_ready_t": ready - self.timeline.t0,
+                   "perf/batch_dispatch_t": dispatched - self.timeline.t0,
                    **{f"ledger/{k}": float(v) for k, v in led.items()}}
-        events = self.timeline.events[self._sent_events:]
-        self._sent_events += len(events)
         # `state` is what a checkpoint after this step holds (this batch counts as trained once the step completes).
-        meta = {"metrics": metrics, "tokens": sb.tokens, "example": sb.example, "sources": sb.sources, "events": events,
+        meta = {"metrics": metrics, "tokens": sb.tokens, "example": sb.example, "sources": sb.sources, "events": self.events(),
                 "state": self.state()}
         return meta, [ray.put(b) for b in sb.shards]
 
@@ -121,6 +114,7 @@ class RolloutManager:
         return self.sched.ledger() if self.sched else {}
 
     def events(self) -> list[dict]:
+        """Timeline events not yet handed to the driver."""
         events = self.timeline.events[self._sent_events:]
         self._sent_events += len(events)
         return events
@@ -164,7 +158,7 @@ class RolloutManager:
         per_group = [[] for _ in groups]
         for smp in samples:
             per_group[smp.prompt_index].append(smp)
-        to_score = self.sched.on_generated(engine, groups, per_group, time.time())
+        to_score = self.sched.on_generated(engine, groups, per_group)
         if len(to_score) < len(groups):   # aborted by a sync: back in the queue, out again now
             self._pump()
         if to_score:

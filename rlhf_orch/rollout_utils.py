@@ -1,4 +1,4 @@
-"""Small pure helpers the driver loop uses between actors: splitting work, checking versions,
+"""Small pure helpers of the RL loop: checking versions,
 building warm-start batches and summarising a step's rollouts into flat `rollout/` metrics.
 
 Kept out of launch.py so the loop reads as a story and these pieces are unit-tested on their own.
@@ -12,17 +12,6 @@ import torch
 
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Prompt, Sample
-
-
-def split_evenly(items: Sequence, parts: int) -> list[list]:
-    """Contiguous chunks whose sizes differ by at most one (some may be empty if parts > len(items))."""
-    base, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        out.append(list(items[start:end]))
-        start = end
-    return out
 
 
 def check_versions(samples: Sequence[Sample], expected: int, max_staleness: int = 0) -> None:

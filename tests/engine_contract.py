@@ -25,6 +25,13 @@ def reference_logprobs(model_dir: str, prompt: list[int], response: list[int], t
     return lp[len(prompt) - 1:].tolist()
 
 
+def two_models(root, spec: dict) -> tuple[str, str]:
+    """Two built-in tiny models of one shape under `root`, seeds 0 and 1: the engine's, and the other weights."""
+    from rlhf_orch.models import TinyModelSpec, ensure_model_dir
+    return tuple(str(ensure_model_dir("tiny-llama", TinyModelSpec(**spec), root / name, seed=seed))
+                 for name, seed in (("a", 0), ("b", 1)))
+
+
 def named_weights(model_dir: str, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)

@@ -83,6 +83,7 @@ class PromptDataset:
         self.rows = rows
         self.seed = seed
         self.cursor = Cursor()
+        self._order_cache: tuple[tuple[int, int] | None, list[int]] = (None, [])   # ((seed, epoch), order)
         self.token_ids: list[list[int]] = []
         too_long = []
         for i, row in enumerate(rows):
@@ -101,7 +102,7 @@ class PromptDataset:
 
     def _order(self, epoch: int) -> list[int]:
         # Cached: the rollout manager draws one prompt at a time.
-        if getattr(self, "_order_cache", (None,))[0] != (self.seed, epoch):
+        if self._order_cache[0] != (self.seed, epoch):
             order = list(range(len(self.rows)))
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
             self._order_cache = ((self.seed, epoch), order)

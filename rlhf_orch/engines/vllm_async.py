@@ -32,15 +32,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from rlhf_orch.engines.base import per_prompt_params
+from rlhf_orch.engines.base import PAUSE_MODES, WAKE_TAGS, per_prompt_params   # = vLLM's PauseMode (v1/engine/__init__.py:26)
 from rlhf_orch.engines.vllm import EXTENSION, VLLMEngine
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
 
 logger = logging.getLogger(__name__)
 
-PAUSE_MODES = ("keep", "wait", "abort")   # vllm.v1.engine.PauseMode (v1/engine/__init__.py:26)
-WAKE_TAGS = ("weights", "kv_cache")
 
 Row = tuple  # (prompt_index, completion_index, token_ids, logprobs, token_versions, finish_reason, text)
 
@@ -323,8 +321,8 @@ class StreamingVLLMEngine(VLLMEngine):
         return samples
 
     def pause(self, mode: str = "wait") -> None:
-        if mode not in ("wait", "keep", "abort"):
-            raise EngineError(f"engine {self.name}: unknown pause mode {mode!r}")
+        if mode not in PAUSE_MODES:
+            raise EngineError(f"engine {self.name}: unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
         self.llm.pause(mode)          # returns once vLLM is paused and earlier outputs reached the streams
         self._paused = True
 

@@ -109,7 +109,7 @@ class GroupScheduler:
             plan.append((engine, chunk))
         return plan
 
-    def on_generated(self, engine: str, groups: list[Group], samples: list[list[Sample]], now: float) -> list[Group]:
+    def on_generated(self, engine: str, groups: list[Group], samples: list[list[Sample]]) -> list[Group]:
         """A chunk came back (samples per group). Aborted groups go back to the queue; returns those to score."""
         self.outstanding[engine] -= len(groups) * self.n
         to_score = []
@@ -121,17 +121,6 @@ class GroupScheduler:
             g.state, g.samples = SCORING, ss
             to_score.append(g)
         return to_score
-
-    def on_failed(self, engine: str, groups: list[Group]) -> None:
-        """The engine failed the chunk: its groups go back to the queue for another engine (issue: fault recovery)."""
-        self.outstanding[engine] -= len(groups) * self.n
-        for g in groups:
-            g.state, g.engine = QUEUED, None
-
-    def remove_engine(self, engine: str) -> None:
-        if engine in self.engines:
-            self.engines.remove(engine)
-            self.outstanding.pop(engine, None)
 
     def on_scored(self, g: Group, rewards: list[float], now: float) -> bool:
         """Rewards arrived; returns False if dynamic sampling filtered the group (all rewards equal)."""

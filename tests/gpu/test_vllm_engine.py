@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from engine_contract import named_weights, reference_logprobs, run_contract, run_sleep_contract
+from engine_contract import named_weights, reference_logprobs, run_contract, run_sleep_contract, two_models
 
 pytestmark = pytest.mark.gpu
 vllm = pytest.importorskip("vllm")
@@ -20,10 +20,7 @@ SPEC = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_k
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    from rlhf_orch.models import TinyModelSpec, ensure_model_dir
-    root = tmp_path_factory.mktemp("vllm_models")
-    return (str(ensure_model_dir("tiny-llama", TinyModelSpec(**SPEC), root / "a", seed=0)),
-            str(ensure_model_dir("tiny-llama", TinyModelSpec(**SPEC), root / "b", seed=1)))
+    return two_models(tmp_path_factory.mktemp("vllm_models"), SPEC)
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,6 @@
 batches, dynamic-sampling refills and the ledger, on hand-worked sequences."""
 import itertools
 
-import pytest
-
-from rlhf_orch.errors import RolloutError
 from rlhf_orch.rollout.scheduler import READY, GroupScheduler
 from rlhf_orch.types import Prompt, Sample
 
@@ -24,7 +21,7 @@ def finish(s, plan, rewards=(0.0, 1.0), versions=None):
     for engine, groups in plan:
         samples = [[Sample(0, [], [1], [0.0], "stop", g.admitted_version if versions is None else versions)
                     for _ in range(2)] for g in groups]
-        for g in s.on_generated(engine, groups, samples, 0.0):
+        for g in s.on_generated(engine, groups, samples):
             s.on_scored(g, list(rewards), 1.0)
 
 
@@ -32,7 +29,7 @@ def test_staleness_zero_is_the_synchronous_loop():
     s = make(k=0)
     assert s.budget() == 4 and len(s.admit()) == 4 and s.admit() == []
     plan = s.plan_dispatch()
-    # one contiguous chunk per engine, in draw order: what split_evenly did
+    # one contiguous chunk per engine, in draw order: the synchronous loop's even split
     assert [(e, [g.gid for g in gs]) for e, gs in plan] == [("a", [0, 1]), ("b", [2, 3])]
     assert s.select_batch(1) is None                  # nothing generated yet
     finish(s, plan)
@@ -93,7 +90,7 @@ def test_aborted_groups_are_requeued_and_pending_survives_a_checkpoint():
     s.admit()
     (engine, groups), *_ = s.plan_dispatch()
     samples = [[Sample(0, [], [1], [0.0], "abort", 0)] * 2 for _ in groups]
-    assert s.on_generated(engine, groups, samples, 0.0) == []
+    assert s.on_generated(engine, groups, samples) == []
     assert s.ledger()["aborted"] == 4 and s.ledger()["queued"] == 4
     assert [len(gs) for _, gs in s.plan_dispatch()] == [4]    # out again
     pending = s.pending_sources()
