@@ -18,7 +18,9 @@ import json
 import logging
 import os
 import random
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -77,14 +79,33 @@ def rl_step(cluster, cfg, step: int) -> tuple[dict, dict]:
     return m, meta
 
 
+def save_checkpoint(cluster, step: int, rollout_state: dict) -> None:
+    """A periodic checkpoint. If it cannot be written (disk full, permissions, a trainer error) the run goes on
+    while an earlier good checkpoint exists, with the true cause logged; with none it stops."""
+    from rlhf_orch.checkpoint import checkpoint_dir, find_good
+    from rlhf_orch.errors import CheckpointError, TrainerError, is_actor_death
+    try:
+        cluster.checkpoint(step, rollout_state)
+    except (CheckpointError, TrainerError, OSError) as e:
+        if is_actor_death(e):
+            raise
+        good, _ = find_good(checkpoint_dir(cluster.run_dir))
+        if good is None:
+            raise
+        logger.error("checkpoint of step %d failed: %s; going on (the latest good checkpoint is %s)", step,
+                     str(e).splitlines()[0], good)
+
+
 def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
     import torch
     from tqdm import tqdm
     from actors.builder import Cluster
     from rlhf_orch.rollout_utils import reward_summary, warm_start_pairs
+    from rlhf_orch.checkpoint import CheckpointPolicy
     from rlhf_orch.trainer.batch import build_sft_batch
 
     seed, last = cfg.experiment.seed, cfg.experiment.steps
+    policy = CheckpointPolicy(cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_every_minutes)
     random.seed(seed), torch.manual_seed(seed)
     cluster, sinks, records = None, None, []
     rollout_state = None    # the rollout manager's state after the last *completed* step: what a checkpoint holds
@@ -116,17 +137,21 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
             records.append({"step": step, **m})
             cluster.log_rollouts(step, meta)
             rollout_state = meta["state"]   # the data cursor and untrained draws after this step
-            syncs, verified = syncs + 1, verified + int(m["sync/checksum_ok"] == 1.0)
             sinks.write(step, m)
             bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}", kl=f"{m.get('train/kl', 0.0):.4f}",
                             step_s=f"{m['perf/step_s']:.2f}", sync_s=f"{m['sync/total_s']:.3f}")
             if cfg.experiment.log_samples_every and step % cfg.experiment.log_samples_every == 0:
                 prompt, response, reward = meta["example"]
                 logger.info("step %d sample: %r -> %r (reward %.2f)", step, prompt, response, reward)
-            if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
-                cluster.checkpoint(step, rollout_state)
+            if policy.due(step) and step < last:   # the last step's checkpoint is written by close()
+                save_checkpoint(cluster, step, rollout_state)
+                policy.mark_done()
         summary.update(reward_summary([r["rollout/reward_mean"] for r in records]))
         # A checksum mismatch raises, so a finished run has verified every sync unless weight_sync.verify is off.
+        # Step syncs of the whole run (records span earlier segments after a resume) plus this start's initial one.
+        syncs += len(records)
+        verified += sum(int(r.get("sync/checksum_ok") == 1.0) for r in records)
+        summary.update(resume_notes=cluster.resume_notes)
         summary.update(syncs=syncs, verified_syncs=verified, transports=cluster.plan,
                        resumed_from=start - 1 if resumed else None)
         return summary
@@ -134,28 +159,73 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
         if cluster is not None:
             cluster.close(records, rollout_state)
             summary["ledger"] = cluster.final_ledger   # every prompt drawn: trained, filtered, or still queued
+            summary["faults"] = cluster.faults         # engines that died, when, and how long recovery took
+
+
+def _on_sigterm(signum, frame):
+    # `ray job stop` and a cluster's preemption send SIGTERM: stop where we are; run()'s finally saves the last
+    # completed step's checkpoint, the plots and the timeline, and main() writes summary.json.
+    from rlhf_orch.errors import RunStopped
+    raise RunStopped(f"stopped by signal {signal.Signals(signum).name}")
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=os.environ.get("RLHF_ORCH_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rlhf_orch.errors import RLHFOrchError
+    from rlhf_orch.errors import RLHFOrchError, RunStopped, is_actor_death
     try:
         cfg, run_dir, model_path, tokenizer, dataset = prepare(argv)
     except RLHFOrchError as e:
         for line in str(e).splitlines():
             sys.stderr.write(f"error: {line}\n")
         return 2
-    t0 = time.time()
-    try:
-        summary = run(cfg, run_dir, model_path, tokenizer, dataset)
-    except RLHFOrchError as e:
-        sys.stderr.write(f"error: {type(e).__name__}: {e}\nmetrics and checkpoints so far are in {run_dir}\n")
-        return 1
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    t0, restarts, rc = time.time(), [], 0
+    summary: dict = {}
+    while True:
+        try:
+            summary = run(cfg, run_dir, model_path, tokenizer, dataset)
+            summary["status"] = "finished"
+            break
+        except RunStopped as e:
+            summary = {"status": "stopped", "error": str(e)}
+            sys.stderr.write(f"{e}: the last completed step is checkpointed in {run_dir}\n")
+            rc = 1
+            break
+        except RLHFOrchError as e:
+            # A dead trainer rank, reward worker, coordinator or manager: restart from the latest good checkpoint.
+            if is_actor_death(e) and len(restarts) < cfg.fault_tolerance.max_run_restarts:
+                restarts.append({"t": time.time(), "error": str(e).splitlines()[0][:500]})
+                logger.error("run failed (%s); restarting from the latest checkpoint (restart %d of %d)",
+                             str(e).splitlines()[0], len(restarts), cfg.fault_tolerance.max_run_restarts)
+                cfg = cfg.model_copy(update={"resume": True})   # the dataset here was never drawn from: same order
+                continue
+            sys.stderr.write(f"error: {type(e).__name__}: {e}\nmetrics and checkpoints so far are in {run_dir}\n")
+            summary = {"status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+            rc = 1
+            break
+    summary["run_restarts"] = restarts
     summary["wall_s"] = round(time.time() - t0, 1)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_summary(run_dir, summary)
     logger.info("done: %s", json.dumps(summary))
-    return 0
+    return rc
+
+
+def _write_summary(run_dir: Path, summary: dict) -> None:
+    """summary.json of this process, merged over an earlier segment's (a resumed run keeps its fault history)."""
+    path = run_dir / "summary.json"
+    try:
+        old = json.loads(path.read_text()) if path.exists() and summary.get("resumed_from") else {}
+    except (OSError, json.JSONDecodeError):
+        old = {}
+    for key in ("faults", "run_restarts"):
+        if old.get(key):
+            summary[key] = old[key] + summary.get(key, [])
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import ray
@@ -20,7 +21,7 @@ from actors.reward import RewardActor
 from actors.rollout import RolloutActor, sampling_params
 from actors.rollout_manager import RolloutManager
 from actors.trainer import TrainerGroup
-from rlhf_orch.checkpoint import (checkpoint_dir, latest_tag, mark_latest, read_rl_state, truncate_metrics,
+from rlhf_orch.checkpoint import (checkpoint_dir, commit, find_good, read_rl_state, staging_dir, truncate_metrics,
                                   write_rl_state)
 from rlhf_orch.config import engine_names
 from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError
@@ -44,7 +45,8 @@ def init_ray(cfg) -> bool:
     # Workers of a local Ray must import this checkout even when it is not pip-installed.
     root = str(Path(__file__).resolve().parent.parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=cfg.ray.num_cpus, log_to_driver=True)
+    # address="local": always a new instance; a cluster left running by `ray start` is joined only when named.
+    ray.init(address="local", num_cpus=cfg.ray.num_cpus, log_to_driver=True)
     return True
 
 
@@ -65,12 +67,15 @@ class Cluster:
         self.placement, self.sinks, self.started_ray = None, None, False
         self.trainers, self.coordinator, self.engines, self.rewarders = None, None, {}, []
         self.rollouts, self.final_ledger = None, {}
+        self.faults: list[dict] = []        # engine faults and what was done about them (summary.json)
+        self.engine_restarts = 0
         self.timeline = Timeline()
         r = cfg.rollout
         self.pause_mode = "keep" if r.partial_rollouts else r.running_requests
         self.colocation: Colocation | None = None
         self.history: list[dict] = []
         self.resume_from: tuple[str, dict, dict] | None = None   # (tag, rl_state, tensors) when resuming
+        self.resume_notes: list[str] = []    # why a checkpoint was skipped, or why the resume is not bit-exact
         try:
             self._build(model_path, dataset, pad_id)
         except BaseException:
@@ -88,7 +93,7 @@ class Cluster:
             # the same communicator with it on fails its first broadcast ("unhandled cuda error").
             os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
         if cfg.resume:   # read the checkpoint once; drop metrics after it before the sinks append to the file
-            tag = latest_tag(checkpoint_dir(self.run_dir))
+            tag, self.resume_notes = find_good(checkpoint_dir(self.run_dir))   # a corrupt latest: the one before
             if tag is not None:
                 state, tensors = read_rl_state(checkpoint_dir(self.run_dir) / tag)
                 self.resume_from = (tag, state, tensors)
@@ -104,21 +109,14 @@ class Cluster:
         self.trainers = TrainerGroup(self.placement, device, name, self.timeout)
         env = actor_env(device)
         self.sampling, sleep_levels = {}, {}
+        self.env, self.model_path, self.slots = env, model_path, {}
         names = iter(engine_names(cfg))
         for ecfg in cfg.engines:
             for _ in range(ecfg.count):
                 ename = next(names)
-                bundle = self.placement.engine_bundles[ename][0]
-                kwargs = {"model_path": model_path, "dtype": cfg.model.dtype, "seed": cfg.experiment.seed + 1000 * (len(self.engines) + 1)}
-                kwargs.update(ecfg.model_dump(exclude={"name", "count", "placement", "sampling", "kind", "sleep_level",
-                                                       "python_path"}))
-                if ecfg.kind == "hf":
-                    kwargs.pop("tensor_parallel_size")
-                if ecfg.kind == "sglang":   # SGLang must know at start whether it will release memory
-                    kwargs.update(enable_memory_saver=ecfg.sleep_level > 0, enable_weights_cpu_backup=ecfg.sleep_level == 1)
-                opts = self.placement.options(bundle, f"{name}-engine-{ename}", engine_env(env, ecfg))
-                kind = "vllm-streaming" if getattr(ecfg, "streaming", False) else ecfg.kind
-                self.engines[ename] = RolloutActor.options(**opts).remote(ename, kind, device, self.placement.device_id(bundle), kwargs)
+                self.slots[ename] = {"ecfg": ecfg, "bundle": self.placement.engine_bundles[ename][0],
+                                     "index": len(self.slots), "base": ename}
+                self.engines[ename] = self._make_engine(ename)
                 self.sampling[ename] = ecfg.sampling
                 sleep_levels[ename] = ecfg.sleep_level
         self.rewarders = [RewardActor.options(name=f"{name}-reward-{i}", runtime_env={"env_vars": env}).remote(cfg.reward.function)
@@ -147,11 +145,30 @@ class Cluster:
         a, r = cfg.algorithm, cfg.rollout
         settings = dict(prompts_per_step=cfg.data.prompts_per_step, group_size=a.group_size, max_staleness=r.max_staleness,
                         dispatch_groups=r.dispatch_groups, filter_groups=r.filter_groups, filter_max_draws=r.filter_max_draws,
-                        algorithm=a.name, norm_adv_by_std=a.norm_adv_by_std, pad_id=pad_id, num_ranks=cfg.trainer.num_ranks)
+                        algorithm=a.name, norm_adv_by_std=a.norm_adv_by_std, pad_id=pad_id, num_ranks=cfg.trainer.num_ranks,
+                        engine_stall_s=cfg.fault_tolerance.engine_stall_s,
+                        health_interval_s=cfg.fault_tolerance.health_interval_s)
         params = {n: sampling_params(self.sampling[n], a.group_size) for n in self.engines}
         self.rollouts = RolloutManager.options(name=f"{name}-rollouts", runtime_env={"env_vars": env}).remote(
             self.engines, self.rewarders, dataset, params, settings, self.timeline.t0)
         logger.info("cluster up: %d trainer ranks, engines %s, sync plan %s", cfg.trainer.num_ranks, list(self.engines), self.plan)
+
+    def _make_engine(self, ename: str, restart: int = 0):
+        """The rollout actor of slot `ename` on its placement bundle. A replacement (restart >= 1) gets a sampling
+        seed derived from its slot and restart count, so a rerun of the same faults samples the same."""
+        cfg, slot = self.cfg, self.slots[ename]
+        ecfg, bundle = slot["ecfg"], slot["bundle"]
+        kwargs = {"model_path": self.model_path, "dtype": cfg.model.dtype,
+                  "seed": cfg.experiment.seed + 1000 * (slot["index"] + 1) + 7919 * restart}
+        kwargs.update(ecfg.model_dump(exclude={"name", "count", "placement", "sampling", "kind", "sleep_level",
+                                               "python_path"}))
+        if ecfg.kind == "hf":
+            kwargs.pop("tensor_parallel_size")
+        if ecfg.kind == "sglang":   # SGLang must know at start whether it will release memory
+            kwargs.update(enable_memory_saver=ecfg.sleep_level > 0, enable_weights_cpu_backup=ecfg.sleep_level == 1)
+        opts = self.placement.options(bundle, f"{cfg.experiment.name}-engine-{ename}", engine_env(self.env, ecfg))
+        kind = f"{ecfg.kind}-streaming" if getattr(ecfg, "streaming", False) else ecfg.kind   # vllm-/sglang-streaming
+        return RolloutActor.options(**opts).remote(ename, kind, cfg.trainer.device, self.placement.device_id(bundle), kwargs)
 
     def _sinks(self):
         from rlhf_orch.metrics import JsonlSink, MultiSink, RayMetricsSink, TensorBoardSink
@@ -185,9 +202,17 @@ class Cluster:
 
     def next_batch(self, step: int):
         """(metadata, per-rank object refs) of step `step`; tells the manager the engines hold version step-1 (it
-        may start groups that need it: with max_staleness 0, this step's) and waits for the step's groups."""
-        meta, refs = self._rget(self.rollouts.next_batch.remote(step, self.timeout), f"the batch of step {step}",
-                                self.timeout + 30)
+        may start groups that need it: with max_staleness 0, this step's) and waits for the step's groups. If every
+        engine died meanwhile, replacements get the trainer's weights (still version step-1) and the wait goes on."""
+        while True:
+            meta, refs = self._rget(self.rollouts.next_batch.remote(step, self.timeout), f"the batch of step {step}",
+                                    self.timeout + 30)
+            if "need_engines" not in meta:
+                break
+            logger.warning("no live engine for step %d (dead: %s): replacing now", step, meta["need_engines"])
+            self.colocation.to_train()        # colocated: the trainer's weights must be on its device to send
+            self.sync(step - 1, resync=True)
+            self.colocation.to_generate()
         self.timeline.extend(meta.pop("events"))
         return meta, refs
 
@@ -209,37 +234,129 @@ class Cluster:
         """Colocation: engines sleep, trainers reload (no-op otherwise)."""
         return self.colocation.to_train()
 
-    def sync(self, version: int) -> dict:
-        """Push the trainer's weights into every engine as `version` (in the train phase)."""
+    def sync(self, version: int, resync: bool = False) -> dict:
+        """Push the trainer's weights into every engine as `version` (in the train phase). Dead engines are
+        replaced first (the replacements' first sync is this one, verified like every other); an engine that
+        dies during the sync is found, replaced, and the sync is done again once."""
         wake = self.colocation.wake_weights()
+        replaced = self.replace_dead_engines()
         with self.timeline.span("weight-sync", "sync", version=version):
-            out = get(self.coordinator.sync.remote(version, self.pause_mode), self.cfg.weight_sync.timeout_s,
-                      f"weight sync v{version}", WeightSyncError)
-        return {**out, **wake}
+            try:
+                out = self._sync_once(version, resync)
+            except WeightSyncError as err:
+                dead = self._probe_engines()
+                if not dead:
+                    raise
+                for name, cause in dead.items():
+                    self._rget(self.rollouts.engine_died.remote(name, cause, f"weight sync v{version}"), "rollout manager")
+                logger.error("weight sync v%d failed because engine(s) %s died (%s); replacing and syncing again",
+                             version, sorted(dead), str(err).splitlines()[0][:200])
+                replaced.extend(self.replace_dead_engines())
+                out = self._sync_once(version, True)
+        if replaced:
+            self._admit_replacements(replaced, out)
+        return {**out, **wake, "fault/engines_live": float(len(self.engines)),
+                "fault/engine_restarts": float(self.engine_restarts)}
+
+    def _sync_once(self, version: int, resync: bool) -> dict:
+        return get(self.coordinator.sync.remote(version, self.pause_mode, resync), self.cfg.weight_sync.timeout_s,
+                   f"weight sync v{version}", WeightSyncError)
+
+    # ---- engine faults ----------------------------------------------------------------------------
+    def _probe_engines(self) -> dict[str, str]:
+        """{name: cause} of engines that do not answer a short health check (dead or frozen)."""
+        dead = {}
+        refs = {n: e.health.remote() for n, e in self.engines.items()}
+        for n, ref in refs.items():
+            try:
+                ray.get(ref, timeout=min(10.0, self.cfg.fault_tolerance.engine_stall_s))
+            except Exception as e:
+                dead[n] = f"no answer to a health check after a failed sync: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return dead
+
+    def replace_dead_engines(self) -> list[str]:
+        """Start a replacement on the same placement bundle for every engine the manager declared dead (while
+        fault_tolerance.max_engine_restarts lasts), and re-plan the weight sync with every live engine. Returns the
+        replacements' names; they take work only after a verified sync (`_admit_replacements`)."""
+        dead = self._rget(self.rollouts.take_dead.remote(), "rollout manager (dead engines)")
+        if not dead:
+            return []
+        ft, new = self.cfg.fault_tolerance, []
+        for name, rec in dead.items():
+            self.engines.pop(name, None)
+            self.colocation.sleep_levels.pop(name, None)
+            entry = {**rec, "replacement": None}
+            self.faults.append(entry)
+            if self.engine_restarts >= ft.max_engine_restarts:
+                logger.error("engine %s is dead and fault_tolerance.max_engine_restarts=%d is spent: going on with %s",
+                             name, ft.max_engine_restarts, sorted(self.engines) or "no engine")
+                continue
+            self.engine_restarts += 1
+            slot = self.slots[name]
+            new_name = f"{slot['base']}.r{self.engine_restarts}"
+            self.slots[new_name] = slot
+            self.sampling[new_name] = self.sampling[name]
+            self.engines[new_name] = self._make_engine(new_name, self.engine_restarts)
+            if slot["ecfg"].sleep_level:
+                self.colocation.sleep_levels[new_name] = slot["ecfg"].sleep_level
+            entry["replacement"] = new_name
+            new.append(new_name)
+        if not self.engines:
+            raise EngineError(f"every engine is dead and fault_tolerance.max_engine_restarts="
+                              f"{ft.max_engine_restarts} is spent; last fault: {self.faults[-1]['engine']} "
+                              f"({self.faults[-1]['cause']})")
+        get([self.engines[n].device_ids.remote() for n in new], self.timeout, f"replacement engines {new} to start",
+            EngineError)
+        info = get(self.coordinator.reconfigure.remote(self.engines), self.cfg.weight_sync.timeout_s,
+                   "weight-sync re-plan with the replacement engines", WeightSyncError)
+        self.plan = info["plan"]
+        logger.info("replacement engine(s) %s up; weight sync re-planned: %s", new, self.plan)
+        return new
+
+    def _admit_replacements(self, names: list[str], sync_out: dict) -> None:
+        """Replacements whose first sync was verified take work; the fault records get their recovery time."""
+        if sync_out.get("sync/checksum_ok") != 1.0 and self.cfg.weight_sync.verify:
+            raise WeightSyncError(f"replacement engines {names}: first sync not verified")
+        for n in names:
+            params = sampling_params(self.sampling[n], self.cfg.algorithm.group_size)
+            self._rget(self.rollouts.add_engine.remote(n, self.engines[n], params), "rollout manager (add engine)")
+            for f in self.faults:
+                if f.get("replacement") == n:
+                    f.update(serving_t=time.time(), recovery_s=round(time.time() - f["t"], 3),
+                             first_sync_verified=bool(sync_out.get("sync/checksum_ok") == 1.0),
+                             first_sync_version=int(sync_out["sync/version"]))
+                    logger.info("engine %s replaced by %s: serving %.1fs after the fault, first sync v%d verified",
+                                f["engine"], n, f["recovery_s"], f["first_sync_version"])
 
     def checkpoint(self, step: int, rollout_state: dict) -> None:
-        """DeepSpeed state of every rank, the RL state (step, version, data cursor, engine RNG) and an HF
-        export; `latest` is moved last, so an interrupted save leaves the previous checkpoint in charge."""
+        """DeepSpeed state of every rank, the RL state (step, version, data cursor, engine RNGs) and an HF export,
+        written into a staging folder, then given a manifest of digests and renamed (rlhf_orch.checkpoint.commit);
+        `latest` moves last, so an interrupted save leaves the previous checkpoint in charge."""
         ckpt = checkpoint_dir(self.run_dir)
         tag = f"step{step}"
         with self.timeline.span("trainer", "checkpoint"):
             self._write_checkpoint(ckpt, tag, step, rollout_state)
 
     def _write_checkpoint(self, ckpt: Path, tag: str, step: int, rollout_state: dict) -> None:
-        self.trainers.call("save_checkpoint", str(ckpt), tag, {"step": step})
-        rngs = {}
+        stage = staging_dir(ckpt, tag)
+        self.trainers.call("save_checkpoint", str(ckpt), stage.name, {"step": step})
+        rngs, missing = {}, []
         for n, e in self.engines.items():
+            slot = self.slots[n]["base"]   # a replacement's RNG restores its slot's engine
             try:   # a dead engine must not cost the trainer's checkpoint; it restarts with a fresh RNG
-                rngs[n] = get(e.rng_state.remote(), self.timeout, f"engine {n} RNG state", EngineError)
+                rngs[slot] = get(e.rng_state.remote(), self.timeout, f"engine {n} RNG state", EngineError)
             except EngineError as err:
                 logger.warning("checkpoint %s without engine %s's sampling RNG: %s", tag, n, str(err).splitlines()[0])
+            if rngs.get(slot) is None:
+                missing.append(slot)
         # The data cursor is after every draw; draws not yet trained (max_staleness >= 1) are re-queued on resume.
-        write_rl_state(ckpt / tag, {"step": step, "weight_version": step, "data": rollout_state["data"],
-                                    "rollout": {"pending": rollout_state["pending"], "ledger": rollout_state["ledger"]}},
+        write_rl_state(stage, {"step": step, "weight_version": step, "data": rollout_state["data"],
+                               "rollout": {"pending": rollout_state["pending"], "ledger": rollout_state["ledger"]},
+                               "engine_rng_missing": sorted(missing)},
                        {f"engine_rng/{n}": r for n, r in rngs.items() if r is not None})
         if self.cfg.trainer.export_hf:
-            self.trainers.call("export_hf", str(ckpt / tag / "hf"))
-        mark_latest(ckpt, tag)
+            self.trainers.call("export_hf", str(stage / "hf"))
+        commit(ckpt, tag, self.cfg.trainer.keep_checkpoints)
         logger.info("checkpoint %s written", ckpt / tag)
 
     def restore(self) -> dict | None:
@@ -252,6 +369,11 @@ class Cluster:
         self.trainers.call("load_checkpoint", str(ckpt), tag)
         get([e.set_rng_state.remote(tensors.get(f"engine_rng/{n}")) for n, e in self.engines.items()],
             self.timeout, "engine RNG restore", EngineError)
+        lost = [n for n in self.engines if f"engine_rng/{n}" not in tensors]
+        if lost:
+            self.resume_notes.append(f"resume from {tag} is not bit-exact: no sampling RNG state for engine(s) "
+                                     f"{lost} (dead when it was written, or an engine kind that cannot save it)")
+            logger.warning("%s", self.resume_notes[-1])
         logger.info("resumed from %s (step %d)", ckpt / tag, state["step"])
         return state
 
@@ -269,6 +391,16 @@ class Cluster:
                 logger.warning("clean shutdown of %s failed: %s", what, e)
         for a in [*self.engines.values(), *trainers, *self.rewarders, *([self.coordinator] if self.coordinator else [])]:
             ray.kill(a)
+
+    def _trainers_alive(self) -> bool:
+        """A checkpoint needs every rank: with one dead the others would wait in a collective until its timeout."""
+        try:
+            ray.get([t.device_id.remote() for t in self.trainers.actors], timeout=15)
+            return True
+        except Exception as e:
+            logger.warning("no final checkpoint: a trainer rank does not answer (%s); the latest one stays in charge",
+                           str(e).splitlines()[0][:200])
+            return False
 
     def _stop_rollouts(self) -> None:
         """Collect the manager's last timeline events and ledger, then stop it (before the engines go)."""
@@ -300,7 +432,7 @@ class Cluster:
         except Exception as e:
             logger.warning("could not put engines to sleep before the final checkpoint: %s", str(e).splitlines()[0])
         try:
-            if records and rollout_state:
+            if records and rollout_state and self._trainers_alive():
                 self.checkpoint(int(records[-1]["step"]), rollout_state)
         except Exception as e:  # a dead trainer must not hide the metrics already written
             logger.warning("final checkpoint failed: %s", e)

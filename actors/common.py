@@ -12,7 +12,7 @@ import os
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from rlhf_orch.errors import RLHFOrchError
+from rlhf_orch.errors import ACTOR_DIED, RLHFOrchError
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,18 @@ def _log_tail(actor_id: str | None, lines: int = 20) -> str:
         return ""
 
 
+def _actor_name(actor_id: str | None) -> str:
+    """' (<class> <name>, pid N)' of a dead actor, from Ray's state API; '' when unknown."""
+    if not actor_id:
+        return ""
+    try:
+        from ray.util.state import get_actor
+        a = get_actor(actor_id, timeout=5)
+        return f" ({a.class_name} {a.name or actor_id[:8]}, pid {a.pid})" if a else ""
+    except Exception:   # best effort, like the log tail
+        return ""
+
+
 def get(refs, timeout: float, what: str, error_cls: type[RLHFOrchError] = RLHFOrchError):
     """ray.get with a timeout; failures become `error_cls` with the actor's own error and log tail."""
     try:
@@ -77,5 +89,5 @@ def get(refs, timeout: float, what: str, error_cls: type[RLHFOrchError] = RLHFOr
         raise error_cls(f"{what} failed: {type(cause).__name__}: {cause}") from None
     except RayActorError as e:
         actor_id = getattr(e, "actor_id", None)
-        raise error_cls(f"{what} failed: an actor died ({e.error_msg if hasattr(e, 'error_msg') else e})"
-                        f"{_log_tail(actor_id)}") from None
+        raise error_cls(f"{what} failed: {ACTOR_DIED}{_actor_name(actor_id)} "
+                        f"({e.error_msg if hasattr(e, 'error_msg') else e}){_log_tail(actor_id)}") from None

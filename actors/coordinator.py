@@ -68,14 +68,39 @@ class WeightSyncCoordinator:
         return {"plan": self.plan.summary(), "buckets": len(self.layouts), "tensors": len(specs),
                 "bytes": nbytes, "setup_s": time.perf_counter() - t0}
 
-    def sync(self, version: int, pause_mode: str = "wait") -> dict:
+    def reconfigure(self, engines: dict) -> dict:
+        """The engines changed (one died, a replacement started): every live side leaves the old broadcast group,
+        then the plan, buckets and group are made again with these engines (a new store port)."""
+        old = [n for n in self.engines if n in engines]
+        refs = [t.close_sender.remote() for t in self.trainers] + [engines[n].close_receiver.remote() for n in old]
+        try:
+            ray.get(refs, timeout=min(self.timeout_s, 60.0))
+        except Exception as e:   # a side stuck in the dead group is rebuilt by setup() below anyway
+            logger.warning("leaving the old weight-sync group: %s", str(e).splitlines()[0][:200])
+        self.engines = dict(engines)
+        return self.setup()
+
+    def sync(self, version: int, pause_mode: str = "wait", resync: bool = False) -> dict:
         """One full sync to `version`; returns flat `sync/` metrics. Raises WeightSyncError on mismatch.
-        `pause_mode` is how engines treat running requests (engines/base.py): "keep" for partial rollouts."""
-        if version <= self.version:
+        `pause_mode` is how engines treat running requests (engines/base.py): "keep" for partial rollouts.
+        `resync`: the same version again (replacement engines while the trainer has not stepped)."""
+        if version < self.version or (version == self.version and not resync):
             raise WeightSyncError(f"sync version {version} is not newer than {self.version}")
         t0 = time.perf_counter()
         names = list(self.engines)
-        self._get([self.engines[n].pause.remote(pause_mode) for n in names], f"engines to pause ({pause_mode})")
+        try:
+            self._get([self.engines[n].pause.remote(pause_mode) for n in names], f"engines to pause ({pause_mode})")
+            return self._sync(version, names, t0)
+        except WeightSyncError:
+            # Leave live engines generating; the driver finds out whether one died, replaces it and syncs again.
+            for n in names:
+                try:
+                    ray.get(self.engines[n].resume.remote(), timeout=10)
+                except Exception:
+                    pass
+            raise
+
+    def _sync(self, version: int, names: list[str], t0: float) -> dict:
         t_pause = time.perf_counter()
         send_refs = [t.send_weights.remote(version) for t in self.trainers]
         bcast = self.plan.broadcast_engines

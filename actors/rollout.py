@@ -32,6 +32,7 @@ class RolloutActor:
         self._gate = threading.Condition()
         self._syncing = False
         self._active = 0   # generate calls inside the engine
+        self._calls_done = 0   # finished generate calls: with the engine's decode steps, the health check's progress
         self._concurrent = bool(getattr(self.engine, "concurrent_generate", False))
 
     def device_ids(self) -> list[str]:
@@ -39,6 +40,14 @@ class RolloutActor:
 
     def weight_version(self) -> int:
         return self.engine.weight_version
+
+    def health(self) -> dict:
+        """Answered from its own thread while generate runs: progress (finished calls + decode steps), whether
+        the engine is paused or asleep on purpose, and whether it reports every decode step."""
+        asleep = getattr(self.engine, "is_asleep", lambda: False)()
+        return {"progress": self._calls_done + int(getattr(self.engine, "progress_steps", 0)),
+                "paused": self._syncing or asleep,
+                "reports_steps": bool(getattr(self.engine, "reports_decode_steps", False))}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams):
         with self._gate:
@@ -52,6 +61,7 @@ class RolloutActor:
         finally:
             with self._gate:
                 self._active -= 1
+                self._calls_done += 1
                 self._gate.notify_all()
         tokens = sum(len(s.response_ids) for s in samples)
         return samples, {"tokens": tokens, "seconds": secs, "start": start, "end": start + secs}
@@ -60,6 +70,7 @@ class RolloutActor:
     def setup_receiver(self, layouts, group: dict | None, rank: int, verify: bool, timeout_s: float) -> float:
         import torch
         self.verify = verify
+        self.close_receiver()   # a re-plan after an engine fault: leave the old broadcast group first
         if hasattr(self.engine, "setup_receiver"):
             # Engines with their own worker processes (vLLM) run a receiver in every worker.
             self.receiver = self.engine
@@ -70,6 +81,12 @@ class RolloutActor:
             return 0.0
         return self.receiver.join_group(group["backend"], group["host"], group["port"], rank, group["world_size"],
                                         timeout_s, ray.util.get_node_ip_address())
+
+    def close_receiver(self) -> None:
+        close = getattr(self.receiver, "close", None)
+        if callable(close):
+            close()
+        self.receiver = None
 
     def receive_ipc(self, handle, bucket_index: int, version: int) -> list[int]:
         return self.receiver.receive_ipc(handle, bucket_index, self.verify)
@@ -126,9 +143,8 @@ class RolloutActor:
 
     def shutdown(self) -> None:
         """Leave the weight-sync group, then stop the engine's own processes (vLLM/SGLang workers)."""
-        close = getattr(self.receiver, "close", None)
-        if callable(close) and self.receiver is not self.engine:
-            close()
+        if self.receiver is not self.engine:
+            self.close_receiver()
         stop = getattr(self.engine, "shutdown", None)
         if callable(stop):
             stop()

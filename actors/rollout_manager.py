@@ -7,8 +7,15 @@ as it returns (not at the end of the step), and keeps scored groups until a step
 here to the ranks through the object store, never through the driver.
 
 The decisions (admission, deadlines, dispatch, batch choice, ledger) are rlhf_orch.rollout.scheduler's; this
-shell only awaits engines and reward workers (an asyncio actor: one event loop, no locks). It does not
-restart dead engines: a failed generate call fails the next batch with the engine's own error.
+shell only awaits engines and reward workers (an asyncio actor: one event loop, no locks).
+
+Engine faults: an engine whose actor dies during generate, or that a health check finds hung (no progress
+for `engine_stall_s` while it has work, or no answer to the check; rlhf_orch.rollout.health), is declared
+dead: its actor is killed (a hung process must not keep its GPU), its running groups go back to the queue
+and are dispatched to the live engines. The driver takes the dead list at the next step boundary
+(`take_dead`), starts replacements, syncs them and hands them back with `add_engine`. With no live engine
+left, `next_batch` returns early ({"need_engines": [...]}) so the driver can replace one right away. An
+engine that reports an error while alive (an EngineError) still fails the run: that is a bug to see.
 """
 from __future__ import annotations
 
@@ -18,12 +25,14 @@ import logging
 import time
 
 import ray
+from ray.exceptions import RayActorError
 
 from actors.common import setup_process
 from rlhf_orch.errors import EngineError, RewardError, RLHFOrchError, RolloutError
 from rlhf_orch.metrics.timeline import Timeline
 from rlhf_orch.rollout import GroupScheduler
 from rlhf_orch.rollout.batching import assemble
+from rlhf_orch.rollout.health import HealthTracker, call_deadline_s
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +50,10 @@ class RolloutManager:
         self._reward_load = [0] * len(rewarders)
         self._tasks: set[asyncio.Task] = set()
         self._cond: asyncio.Condition | None = None
+        self.health = HealthTracker(settings.get("engine_stall_s", 30.0))
+        self.dead: dict[str, dict] = {}      # declared dead, not yet taken by the driver
+        self.faults: list[dict] = []         # every engine fault of the run segment
+        self._watcher: asyncio.Task | None = None
 
     # ---- control (driver) -------------------------------------------------------------------------
     async def start(self, first_step: int, last_step: int, version: int, pending: list | None = None,
@@ -62,6 +75,8 @@ class RolloutManager:
         self.sched.version = version
         if pending:
             self.sched.requeue([self.dataset.prompt(tuple(src)) for src in pending])
+        if self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
         return {"budget": self.sched.budget()}
 
     async def next_batch(self, step: int, timeout_s: float):
@@ -76,6 +91,8 @@ class RolloutManager:
             while True:
                 if self.error is not None:
                     raise self.error
+                if not self.engines and self.dead:   # nobody left to generate: the driver replaces one now
+                    return {"need_engines": sorted(self.dead)}, None
                 groups = self.sched.select_batch(step)
                 if groups is not None:
                     break
@@ -113,6 +130,27 @@ class RolloutManager:
     def ledger(self) -> dict:
         return self.sched.ledger() if self.sched else {}
 
+    # ---- engine faults (driver) -----------------------------------------------------------------------
+    def take_dead(self) -> dict:
+        """Engines declared dead since the last call: {name: fault record}. The driver replaces them."""
+        dead, self.dead = self.dead, {}
+        return dead
+
+    async def engine_died(self, name: str, cause: str, phase: str) -> None:
+        """The driver saw an engine die (e.g. during a weight sync): same handling as one found here."""
+        await self._engine_failed(name, cause, phase)
+
+    async def add_engine(self, name: str, actor, params) -> None:
+        """A replacement (already synced and verified) takes work from now on."""
+        self.engines[name] = actor
+        self.params[name] = params
+        self.sched.add_engine(name)
+        self._pump()
+        await self._notify()
+
+    def fault_log(self) -> list[dict]:
+        return list(self.faults)
+
     def events(self) -> list[dict]:
         """Timeline events not yet handed to the driver."""
         events = self.timeline.events[self._sent_events:]
@@ -149,10 +187,18 @@ class RolloutManager:
         try:
             samples, stats = await self.engines[engine].generate.remote([g.prompt.token_ids for g in groups],
                                                                           self._params(engine, groups))
-        except Exception as e:   # a dead actor or an engine error: the run stops with the engine's own message
+        except Exception as e:
+            if engine not in self.engines:   # declared dead already (a health check): its groups were re-queued
+                return
+            if isinstance(e, RayActorError):  # the process died: re-queue its groups, the driver replaces it
+                await self._engine_failed(engine, f"actor died: {str(e).splitlines()[0][:300]}", "generate")
+                return
+            # an engine error from a live engine: the run stops with the engine's own message
             cause = getattr(e, "cause", None) or e
             await self._fail(cause if isinstance(cause, RLHFOrchError) else
                              EngineError(f"engine {engine}: generate failed: {type(cause).__name__}: {cause}"))
+            return
+        if engine not in self.engines:   # answered after it was declared hung: its groups were re-queued
             return
         self.timeline.add(f"engine:{engine}", "generate", stats["start"], stats["end"], groups=len(groups))
         per_group = [[] for _ in groups]
@@ -197,3 +243,56 @@ class RolloutManager:
         if refill:
             self._pump()
         await self._notify()
+
+    # ---- health ----------------------------------------------------------------------------------
+    async def _engine_failed(self, name: str, cause: str, phase: str) -> None:
+        actor = self.engines.pop(name, None)
+        if actor is None:
+            return
+        lost = self.sched.engine_failed(name) if self.sched is not None else []
+        self.health.forget(name)
+        try:
+            ray.kill(actor, no_restart=True)   # a hung process must not keep its devices
+        except Exception:
+            pass
+        now = time.time()
+        rec = {"engine": name, "t": now, "phase": phase, "cause": cause, "groups_requeued": len(lost)}
+        self.faults.append(rec)
+        self.dead[name] = rec
+        self.timeline.add(f"engine:{name}", "dead", now, now, cause=cause[:120])
+        logger.error("engine %s declared dead during %s (%s); %d groups re-queued on %s", name, phase, cause,
+                     len(lost), sorted(self.engines) or "no engine (waiting for a replacement)")
+        self._pump()
+        await self._notify()
+
+    async def _check(self, name: str, actor) -> None:
+        limit = self.s.get("engine_stall_s", 30.0)
+        try:
+            h = await asyncio.wait_for(actor.health.remote(), timeout=limit)
+        except asyncio.TimeoutError:
+            if name in self.engines:
+                await self._engine_failed(name, f"no answer to a health check within {limit:.0f}s (process frozen?)",
+                                          "health check")
+            return
+        except RayActorError as e:
+            if name in self.engines:
+                await self._engine_failed(name, f"actor died: {str(e).splitlines()[0][:300]}", "health check")
+            return
+        if name not in self.engines or self.sched is None:
+            return
+        if not h["reports_steps"]:   # judged on finished calls: allow its longest call
+            limit = call_deadline_s(limit, self.params[name].max_new_tokens, False)
+        stalled = self.health.observe(name, h["progress"], self.sched.busy(name), h["paused"], time.monotonic(), limit)
+        if stalled is not None:
+            await self._engine_failed(name, f"hung: work outstanding and no progress for {stalled:.0f}s "
+                                            f"(fault_tolerance.engine_stall_s={self.s.get('engine_stall_s')})",
+                                      "generate")
+
+    async def _watch(self) -> None:
+        """Health checks of every live engine, every `health_interval_s`, concurrently."""
+        while True:
+            await asyncio.sleep(self.s.get("health_interval_s", 2.0))
+            try:
+                await asyncio.gather(*(self._check(n, a) for n, a in list(self.engines.items())))
+            except Exception:   # a health check must never take the manager down
+                logger.exception("health check failed")

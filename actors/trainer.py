@@ -87,6 +87,7 @@ class TrainerActor:
     def setup_sender(self, layouts, ipc_engines: dict, group: dict | None, verify: bool, timeout_s: float) -> float:
         """Build this rank's sender. Rank 0 with `group` hosts the broadcast store and warms it up."""
         self.engines, self.timeout_s = ipc_engines, timeout_s
+        self.close_sender()   # a re-plan after an engine fault: leave the old broadcast group first
         bgroup = None
         if group is not None:
             bgroup = BroadcastGroup(group["backend"], group["host"], group["port"], 0, group["world_size"],
@@ -94,6 +95,11 @@ class TrainerActor:
             bgroup.warmup()
         self.sender = WeightSender(layouts, self.trainer.device, list(ipc_engines), bgroup, verify)
         return 1.0
+
+    def close_sender(self) -> None:
+        if getattr(self, "sender", None) is not None and self.sender.group is not None:
+            self.sender.group.destroy()
+        self.sender = None
 
     def send_weights(self, version: int):
         def deliver(engine, handle, index, v):

@@ -47,3 +47,19 @@ class TrainerError(RLHFOrchError):
 
 class RolloutError(RLHFOrchError):
     """The rollout manager cannot fill a batch (staleness bound, filtering cap) or lost track of a group."""
+
+
+class CheckpointError(RLHFOrchError):
+    """A checkpoint could not be written or committed (the OS cause, e.g. disk full, is in the message)."""
+
+
+class RunStopped(RLHFOrchError):
+    """The run was asked to stop (SIGTERM, `ray job stop`, Ctrl-C); what it had is saved."""
+
+
+ACTOR_DIED = "an actor died"   # in every error made from a Ray actor death (actors/common.py)
+
+
+def is_actor_death(err: BaseException) -> bool:
+    """True for errors caused by a dead actor process: a run restarted from its checkpoint can get past them."""
+    return ACTOR_DIED in str(err)

@@ -83,7 +83,10 @@ class TrainerSection(_Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory, ~30% slower).")
     warm_start_steps: int = Field(0, ge=0, description="Supervised steps on the task's format before RL (0: none).")
     warm_start_real_answers: bool = Field(False, description="Warm start on real answers (True) or on random answers that teach only the format (False).")
-    checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0: only at the end).")
+    checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0: by time only, and at the end).")
+    checkpoint_every_minutes: float = Field(10.0, ge=0, description="Also save one when this many minutes of wall time "
+                                            "passed since the last (0: off). A crash then loses at most that much work.")
+    keep_checkpoints: int = Field(3, ge=0, description="Keep the newest N complete checkpoints (0: keep all).")
     export_hf: bool = Field(True, description="Write an HF safetensors folder of the policy with every checkpoint.")
     bf16: bool = Field(False, description="Train in bf16 (GPU).")
     offload: bool = Field(False, description="Colocation: move optimizer state, master weights, model partitions and "
@@ -132,6 +135,8 @@ class SGLangEngineConfig(_EngineBase):
                                     "environment (its exact pins clash with vLLM's), e.g. /tmp/site-sglang.")
     disable_cuda_graph: bool = Field(False, description="Skip CUDA graphs (faster start, slower decode).")
     context_length: int | None = Field(None, ge=1, description="Longest prompt + response SGLang schedules (default: the model's).")
+    streaming: bool = Field(False, description="Drive SGLang from its own event-loop thread: many generate calls in flight "
+                            "at once, and pauses that keep (retract) or abort running requests (needed for rollout.partial_rollouts).")
 
 
 EngineConfig = Annotated[Union[HFEngineConfig, VLLMEngineConfig, SGLangEngineConfig], Field(discriminator="kind")]
@@ -163,6 +168,16 @@ class WeightSyncSection(_Section):
     mismatch_alarm: float | None = Field(None, gt=0, description="Fail if max |engine - trainer| logprob after a sync exceeds this.")
 
 
+class FaultToleranceSection(_Section):
+    max_engine_restarts: int = Field(3, ge=0, description="Dead or hung engines replaced during a run; once spent the run "
+                                     "goes on with the engines left and stops only when none is left.")
+    engine_stall_s: float = Field(30.0, gt=0, description="An engine with work that makes no progress (no decode step, "
+                                  "no finished call) for this long, or does not answer a health check, is declared hung.")
+    health_interval_s: float = Field(2.0, gt=0, description="How often the rollout manager checks the engines.")
+    max_run_restarts: int = Field(2, ge=0, description="After a trainer rank, reward worker, coordinator or rollout "
+                                  "manager dies, restart the run from its latest good checkpoint at most this often.")
+
+
 class MetricsSection(_Section):
     jsonl: bool = Field(True, description="Write <run>/metrics.jsonl.")
     tensorboard: bool = Field(True, description="Write TensorBoard events under <run>/tb.")
@@ -182,6 +197,8 @@ class ExperimentConfig(_Section):
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="Streaming rollouts and staleness.")
     engines: list[EngineConfig] = Field(min_length=1, description="Rollout engines, one entry per kind/placement.")
     weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection, description="Weight sync.")
+    fault_tolerance: FaultToleranceSection = Field(default_factory=FaultToleranceSection,
+                                                   description="Engine replacement, hang detection and run restarts.")
     metrics: MetricsSection = Field(default_factory=MetricsSection, description="Metric outputs.")
 
     @model_validator(mode="after")
@@ -240,7 +257,7 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
     return p
 
 
-PARTIAL_ROLLOUT_KINDS = ("hf",)   # engine kinds whose decode loop can park mid-request (plus vllm with streaming)
+PARTIAL_ROLLOUT_KINDS = ("hf",)   # engine kinds whose decode loop can park mid-request (plus vllm, sglang with streaming)
 
 
 def rollout_problems(cfg: ExperimentConfig) -> list[str]:
@@ -251,7 +268,8 @@ def rollout_problems(cfg: ExperimentConfig) -> list[str]:
     if r.partial_rollouts:
         for i, e in enumerate(cfg.engines):
             if e.kind not in PARTIAL_ROLLOUT_KINDS and not getattr(e, "streaming", False):
-                fix = f"set engines.{i}.streaming: true" if e.kind == "vllm" else f"use kind {' or '.join(PARTIAL_ROLLOUT_KINDS)} or vllm"
+                fix = (f"set engines.{i}.streaming: true" if e.kind in ("vllm", "sglang")
+                       else f"use kind {' or '.join(PARTIAL_ROLLOUT_KINDS)}, or vllm/sglang with streaming: true")
                 p.append(f"rollout.partial_rollouts: engines.{i} (kind {e.kind}) cannot pause between decode steps; "
                          f"{fix}, or set partial_rollouts: false")
     if r.max_staleness:

@@ -89,6 +89,7 @@ class EngineLifecycle:
 
     name: str
     supports_partial_rollouts = False   # engines whose decode loop honours keep/abort set True
+    reports_decode_steps = False        # engines whose decode loop calls _between_steps (progress_steps moves)
 
     def _init_lifecycle(self) -> None:
         self._paused = False
@@ -98,6 +99,7 @@ class EngineLifecycle:
         self._pause_mode: str | None = None
         self._running = 0      # decode loops in progress
         self._parked = 0       # of which parked by a "keep" pause
+        self.progress_steps = 0   # decode steps taken: the health check's sign of life
 
     def _check_can_generate(self) -> None:
         if self._paused:
@@ -130,6 +132,7 @@ class EngineLifecycle:
 
     def _between_steps(self) -> bool:
         """Called by a decode loop before each forward. Parks while a "keep" pause lasts; False: abort now."""
+        self.progress_steps += 1
         with self._cond:
             if self._pause_mode == "keep":
                 self._parked += 1

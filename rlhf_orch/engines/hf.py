@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 class HFEngine(EngineLifecycle):
     supports_partial_rollouts = True
+    reports_decode_steps = True
     def __init__(self, name: str, model_path: str, device: str = "cpu", dtype: str = "float32",
                  device_id: str = "", max_batch_size: int = 256, seed: int = 0, decode_delay_s: float = 0.0):
         from transformers import AutoModelForCausalLM, AutoTokenizer

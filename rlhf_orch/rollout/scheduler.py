@@ -17,6 +17,10 @@ admitted after sync s-1 and is due at s: exactly the synchronous loop, in draw o
 Dispatch is load-aware: queued groups go out in draw order, in chunks of `dispatch_groups`, each chunk to the
 engine with the fewest outstanding samples.
 
+Engine faults: `engine_failed(e)` puts the groups running on a dead engine back in the queue (they keep their
+admission version and deadline, so a regenerated group is never staler than the bound) and stops dispatching to
+it; `add_engine(e)` brings a replacement in. A dead engine's late answers are ignored by the caller.
+
 This module is pure bookkeeping: no Ray, no asyncio, no tensors. actors/rollout_manager.py drives it.
 """
 from __future__ import annotations
@@ -64,7 +68,7 @@ class GroupScheduler:
         self.requeue_first: list[Prompt] = []     # draws of an earlier run segment, served before new ones
         self.outstanding = {e: 0 for e in self.engines}   # samples dispatched and not yet returned
         self.counts = {"drawn": 0, "dispatched": 0, "trained": 0, "filtered": 0, "aborted": 0, "requeued_on_resume": 0,
-                       "kept_over_cap": 0}
+                       "kept_over_cap": 0, "requeued_on_failure": 0}
         self._next_gid = 0
         self._filtered_since_batch = 0
 
@@ -98,6 +102,8 @@ class GroupScheduler:
         """Every queued group, in draw order and chunks, each chunk to the least-loaded engine."""
         queued = sorted((g for g in self.groups.values() if g.state == QUEUED), key=lambda g: g.gid)
         plan = []
+        if not self.engines:   # every engine dead: the groups wait for a replacement
+            return plan
         for i in range(0, len(queued), self.dispatch_groups):
             chunk = queued[i:i + self.dispatch_groups]
             engine = min(self.engines, key=lambda e: (self.outstanding[e], self.engines.index(e)))
@@ -110,7 +116,10 @@ class GroupScheduler:
         return plan
 
     def on_generated(self, engine: str, groups: list[Group], samples: list[list[Sample]]) -> list[Group]:
-        """A chunk came back (samples per group). Aborted groups go back to the queue; returns those to score."""
+        """A chunk came back (samples per group). Aborted groups go back to the queue; returns those to score.
+        A late answer of an engine already declared dead is ignored: its groups were re-queued."""
+        if engine not in self.outstanding:
+            return []
         self.outstanding[engine] -= len(groups) * self.n
         to_score = []
         for g, ss in zip(groups, samples):
@@ -121,6 +130,25 @@ class GroupScheduler:
             g.state, g.samples = SCORING, ss
             to_score.append(g)
         return to_score
+
+    def engine_failed(self, engine: str) -> list[Group]:
+        """A dead engine: its running groups go back to the queue (in draw order); no more work goes to it."""
+        if engine in self.engines:
+            self.engines.remove(engine)
+        self.outstanding.pop(engine, None)
+        lost = sorted((g for g in self.groups.values() if g.state == RUNNING and g.engine == engine), key=lambda g: g.gid)
+        for g in lost:
+            g.state, g.engine, g.samples = QUEUED, None, []
+        self.counts["requeued_on_failure"] += len(lost)
+        return lost
+
+    def add_engine(self, engine: str) -> None:
+        if engine not in self.engines:
+            self.engines.append(engine)
+            self.outstanding[engine] = 0
+
+    def busy(self, engine: str) -> bool:
+        return self.outstanding.get(engine, 0) > 0
 
     def on_scored(self, g: Group, rewards: list[float], now: float) -> bool:
         """Rewards arrived; returns False if dynamic sampling filtered the group (all rewards equal)."""

@@ -339,7 +339,7 @@ class DeepSpeedTrainer:
 
     def _save_checkpoint(self, directory: str, tag: str, client_state: dict | None) -> str:
         state = dict(client_state or {}, torch_rng=torch.get_rng_state(), train_steps=self.steps)
-        self.engine.save_checkpoint(directory, tag=tag, client_state=state)
+        self.engine.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)   # checkpoint.py owns `latest`
         return os.path.join(directory, tag)
 
     def load_checkpoint(self, directory: str, tag: str) -> dict:

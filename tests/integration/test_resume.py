@@ -48,3 +48,19 @@ def test_resume_without_checkpoint_starts_fresh(tmp_path):
     shutil.rmtree(tmp_path / "fresh" / "checkpoints")
     recs = _run(tmp_path, "fresh", 1, "resume=true", "trainer.warm_start_steps=0")
     assert [r["step"] for r in recs] == [1]
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    _run(tmp_path, "corrupt", 4, "trainer.warm_start_steps=0", "trainer.export_hf=false")
+    ckpt = tmp_path / "corrupt" / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step4" and (ckpt / "step4" / "manifest.json").exists()
+    victim = next(p for p in sorted((ckpt / "step4").rglob("*.pt")) if p.stat().st_size > 1000)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF                      # one flipped byte: a disk or copy error
+    victim.write_bytes(bytes(data))
+    recs = _run(tmp_path, "corrupt", 5, "trainer.warm_start_steps=0", "trainer.export_hf=false", "resume=true")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
+    summary = json.loads((tmp_path / "corrupt" / "summary.json").read_text())
+    assert summary["resumed_from"] == 2
+    [note] = [n for n in summary["resume_notes"] if "step4" in n]
+    assert "sha256 mismatch" in note and victim.name in note and "using step2" in note

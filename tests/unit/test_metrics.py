@@ -259,7 +259,7 @@ def test_ray_metrics_sink_with_ray(monkeypatch):
     import ray
 
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
     try:
         sink = RayMetricsSink(experiment="unit-test")
         sink.write(1, {"rollout/reward_mean": 0.5, "perf/generate_s": 1.0, "note": "x",

@@ -109,3 +109,34 @@ def test_ready_groups_only_in_batches():
     finish(s, plan[:1])
     assert s.select_batch(1) is None
     assert sum(g.state == READY for g in s.groups.values()) == 2
+
+
+def test_a_dead_engines_groups_are_requeued_and_served_by_the_others():
+    s = make(k=0, B=4)
+    s.admit()
+    plan = s.plan_dispatch()                          # a: 0,1   b: 2,3
+    lost = s.engine_failed("b")
+    assert [g.gid for g in lost] == [2, 3] and s.engines == ["a"]
+    assert s.ledger()["requeued_on_failure"] == 2 and s.ledger()["balanced"] == 1
+    # b's late answer (it returned just before dying) is ignored: the groups are queued again
+    finish(s, [p for p in plan if p[0] == "b"])
+    assert all(g.state == "queued" for g in lost)
+    again = s.plan_dispatch()
+    assert [(e, [g.gid for g in gs]) for e, gs in again] == [("a", [2, 3])]
+    finish(s, [p for p in plan if p[0] == "a"] + again)
+    batch = s.select_batch(1)
+    assert [g.gid for g in batch] == [0, 1, 2, 3]   # same groups, each exactly once
+    s.take(batch)
+    led = s.ledger()
+    assert led["trained"] == 4 and led["dispatched"] == 6 and led["balanced"] == 1
+
+
+def test_no_engine_left_keeps_groups_queued_until_a_replacement_joins():
+    s = make(k=0, B=2, engines=("a",))
+    s.admit()
+    s.plan_dispatch()
+    s.engine_failed("a")
+    assert s.plan_dispatch() == [] and s.ledger()["queued"] == 2
+    s.add_engine("a#1")
+    plan = s.plan_dispatch()
+    assert [(e, len(gs)) for e, gs in plan] == [("a#1", 2)] and s.busy("a#1")
