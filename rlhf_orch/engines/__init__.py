@@ -15,6 +15,7 @@ _REGISTRY = {
     "vllm": "rlhf_orch.engines.vllm:VLLMEngine",
     "sglang": "rlhf_orch.engines.sglang:SGLangEngine",
     "vllm-streaming": "rlhf_orch.engines.vllm_async:StreamingVLLMEngine",   # kind vllm with streaming: true
+    "sglang-streaming": "rlhf_orch.engines.sglang_async:StreamingSGLangEngine",   # kind sglang with streaming: true
 }
 _PUBLIC = ("hf", "vllm", "sglang")
 

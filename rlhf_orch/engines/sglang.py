@@ -146,6 +146,7 @@ class _Reduce:
 # ---- the engine (in the rollout actor) ---------------------------------------------------------------
 class SGLangEngine(EngineLifecycle):
     checksums_mode = "received"   # checksums describe received tensors (see the module doc)
+    weight_loaders: tuple[str, ...] = (HOOK,)   # SGLang's custom_weight_loader allow-list
 
     def __init__(self, name: str, model_path: str, device: str = "cuda", device_id: str = "",
                  dtype: str = "bfloat16", seed: int = 0, mem_fraction_static: float = 0.5,
@@ -181,11 +182,11 @@ class SGLangEngine(EngineLifecycle):
                               f"engine's python_path): {e}") from e
         self._dir = tempfile.mkdtemp(prefix=f"rlhf_orch_sglang_{name}_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         try:
-            self.engine = sglang.Engine(
+            self.engine = self._start_engine(
                 model_path=model_path, tp_size=tensor_parallel_size, dtype=dtype, mem_fraction_static=mem_fraction_static,
                 random_seed=seed, disable_cuda_graph=disable_cuda_graph, enable_memory_saver=enable_memory_saver,
                 enable_weights_cpu_backup=enable_weights_cpu_backup, context_length=context_length,
-                load_format=load_format, custom_weight_loader=[HOOK])
+                load_format=load_format, custom_weight_loader=list(self.weight_loaders))
         except Exception as e:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise EngineError(f"engine {name}: SGLang failed to start from {model_path!r}: {type(e).__name__}: {e}") from e
@@ -193,6 +194,11 @@ class SGLangEngine(EngineLifecycle):
         self._ids = ["gpu-" + r["uuid"] for r in self._reports(0)]
         logger.info("engine %s: SGLang up (tp=%d, dtype=%s, memory_saver=%s) on %s", name, tensor_parallel_size, dtype,
                     enable_memory_saver, self._ids)
+
+    def _start_engine(self, **kw):
+        """The `sglang.Engine` (a subclass may build it elsewhere; see sglang_async.py)."""
+        import sglang
+        return sglang.Engine(**kw)
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _call(self, what: str, fn, *args, **kwargs):
@@ -211,12 +217,12 @@ class SGLangEngine(EngineLifecycle):
                    [(_INSTALL + cfg, torch.empty(0))], load_format=HOOK, flush_cache=False)   # empty: no fd to share
         self._verify, self._loads = bool(verify), 0
 
-    def _reports(self, seq: int) -> list[dict]:
+    def _reports(self, seq: int, prefix: str = "tp") -> list[dict]:
         """Every TP rank's report of load number `seq` (update_weights_from_distributed answers before
-        ranks > 0 finish loading, so wait for them)."""
+        ranks > 0 finish loading, so wait for them). `prefix`: the report file's name (sglang_async uses another)."""
         out, deadline = [], time.monotonic() + self.report_timeout_s
         for rank in range(self.tensor_parallel_size):
-            path = os.path.join(self._dir, f"tp{rank}.json")
+            path = os.path.join(self._dir, f"{prefix}{rank}.json")
             while True:
                 try:
                     with open(path) as f:

@@ -127,11 +127,12 @@ def test_rollout_settings_are_checked_before_anything_starts():
 
 def test_partial_rollouts_need_engines_that_can_pause(tmp_path):
     p = write(tmp_path, "trainer: {device: cuda, num_ranks: 1}\nrollout: {max_staleness: 1, partial_rollouts: true}\n"
-                        "engines:\n  - {kind: vllm}\n  - {kind: sglang}\n  - {kind: vllm, streaming: true}\n")
+                        "engines:\n  - {kind: vllm}\n  - {kind: sglang}\n  - {kind: vllm, streaming: true}\n"
+                        "  - {kind: sglang, streaming: true}\n")
     msgs = problems(p)
     assert "rollout.partial_rollouts: engines.0 (kind vllm) cannot pause between decode steps; set engines.0.streaming: true, or set partial_rollouts: false" in msgs
-    assert any(m.startswith("rollout.partial_rollouts: engines.1 (kind sglang) cannot pause") for m in msgs)
-    assert not any("engines.2" in m for m in msgs)
+    assert "rollout.partial_rollouts: engines.1 (kind sglang) cannot pause between decode steps; set engines.1.streaming: true, or set partial_rollouts: false" in msgs
+    assert not any("engines.2" in m or "engines.3" in m for m in msgs)
 
 
 def test_sleeping_colocated_engine_cannot_run_ahead(tmp_path):

@@ -1,0 +1,476 @@
+"""In-flight weight updates on SGLang 0.5.17: `sglang.Engine` driven from its own event-loop thread.
+
+`AsyncSGLangRunner` builds the Engine inside a dedicated asyncio loop thread (so `Engine.loop`, which its
+TokenizerManager runs on, is that loop; engine.py:302-306) and offers blocking, thread-safe methods:
+- `generate(prompts, sampling_params, version_fn)`: one `Engine.async_generate(stream=True, return_logprob=True)`
+  request per prompt, all in flight at once; every token is stamped on arrival with its call's version.
+- `pause(mode)` / `resume()` for the modes of engines/base.py: "wait" (running requests finish, new ones wait),
+  "keep" (TokenizerManager.pause_generation(mode="retract"): running requests leave the batch, their KV is freed,
+  their tokens are kept, and after `continue_generation` they re-prefill prompt + tokens under the new weights),
+  "abort" (as "keep", then `abort_request(abort_all=True)`: requests end with finish_reason "abort" and their
+  partial tokens; the caller re-queues them).
+Engine's own blocking methods (`update_weights_from_*`, `flush_cache`, ...) call `self.loop.run_until_complete`,
+which cannot drive a loop another thread runs; `Engine.loop` is replaced by `_OnLoop`, which runs them there.
+
+Why "retract" for "keep", not "in_place": in_place keeps the running batch and its KV computed with the old
+weights (so later tokens are not the new policy's), streams the overlapped step sampled before the pause only
+after continue, and makes every cache flush fail. retract frees the KV; the radix tree still holds old-weight
+prompt KV, which `StreamingSGLangEngine.finish_sync` evicts (flush_cache is refused while retracted requests
+wait), so after resume every token is exactly the new policy's given the tokens before.
+
+Exact version stamps. SGLang's pause is fire-and-forget (tokenizer_manager.py:1974-1993) and the tokens of the
+last steps reach the TokenizerManager through the detokenizer process, after the pause returned. So the pause
+asks the paused scheduler, in a control message queued behind the pause (one socket, FIFO), how many tokens each
+of its requests has (`rlhf_sglang_census`, a custom weight loader that reads the Scheduler on its stack), and
+waits until each stream has received exactly that many (requests that finished before the pause: until their
+final output). Nothing is generated until `resume()` sends continue_generation, and `resume()` switches the
+versions first: tokens before the pause carry the old version, all after it the new one.
+
+Not supported: sleep with requests in flight or kept (SGLang asserts an idle scheduler), stop strings,
+data/pipeline parallelism, SGLang's own n > 1 (n is flattened to n requests, as in SGLangEngine). Weight loading
+and verification are SGLangEngine's, unchanged; SGLang is imported lazily.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from rlhf_orch.engines.base import PAUSE_MODES, per_prompt_params
+from rlhf_orch.engines.sglang import HOOK, SGLangEngine
+from rlhf_orch.errors import EngineError
+from rlhf_orch.types import Sample
+
+logger = logging.getLogger(__name__)
+
+CENSUS = "rlhf_orch.engines.sglang_async.rlhf_sglang_census"   # a custom_weight_loader: runs in the schedulers
+_CENSUS = "rlhf_orch.census:"
+
+Row = tuple   # (prompt_index, token_ids, logprobs (None: missing), token_versions, finish_reason, text)
+
+
+# ---- inside every SGLang scheduler process --------------------------------------------------------
+def _find_scheduler():
+    """The Scheduler whose process_input_requests called us (the update handler runs on its stack)."""
+    f = sys._getframe(1)
+    while f is not None:
+        s = f.f_locals.get("self")
+        for obj in (s, getattr(s, "scheduler", None)):
+            if all(hasattr(obj, a) for a in ("waiting_queue", "running_batch", "tree_cache")):
+                return obj
+        f = f.f_back
+    raise RuntimeError(f"{CENSUS}: no SGLang Scheduler on the call stack")
+
+
+def rlhf_sglang_census(model, named_tensors) -> None:
+    """custom_weight_loader entry, called with one tensor named "rlhf_orch.census:<json {dir, seq, evict}>".
+
+    Writes {seq, rank, paused, running, census: {rid: tokens generated}} of every unfinished request the scheduler
+    holds; with evict, also empties the radix tree of unlocked (old-weight) KV and reports its sizes."""
+    for name, _ in named_tensors:
+        if not name.startswith(_CENSUS):
+            raise RuntimeError(f"{CENSUS} only takes a census request; got tensor {name!r}")
+        cfg = json.loads(name[len(_CENSUS):])
+        sched = _find_scheduler()
+        reqs = list(sched.waiting_queue) + list(sched.running_batch.reqs)
+        chunked = getattr(sched, "chunked_req", None)
+        if chunked is not None:
+            reqs.append(chunked)
+        census = {str(r.rid): len(r.output_ids) for r in reqs if not r.finished()}
+        try:
+            from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank
+            rank = int(get_tensor_model_parallel_rank())
+        except ImportError:
+            rank = int(getattr(sched, "tp_rank", 0))
+        rec = {"seq": cfg["seq"], "rank": rank, "paused": bool(getattr(sched, "_engine_paused", False)),
+               "running": len(sched.running_batch.reqs), "census": census}
+        if cfg.get("evict"):
+            tc = sched.tree_cache
+            rec.update(cache=type(tc).__name__, evictable_before=int(tc.evictable_size()),
+                       protected=int(tc.protected_size()))
+            if rec["running"] == 0 and rec["evictable_before"] > 0:
+                from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+                tc.evict(EvictParams(num_tokens=rec["evictable_before"]))
+            rec["evictable_after"] = int(tc.evictable_size())
+        path = os.path.join(cfg["dir"], f"census{rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(rec, f)
+        os.replace(path + ".tmp", path)
+
+
+# ---- the runner (in the rollout actor) -----------------------------------------------------------
+class _OnLoop:
+    """Stands in for `Engine.loop`: run_until_complete runs the awaitable on the runner's loop thread and waits."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, thread: threading.Thread):
+        self._loop, self._thread = loop, thread
+
+    def run_until_complete(self, aw):
+        if threading.current_thread() is self._thread:
+            getattr(aw, "close", lambda: None)()
+            raise EngineError("a blocking sglang.Engine method was called from the runner's own loop thread")
+        return asyncio.run_coroutine_threadsafe(_await(aw), self._loop).result()
+
+    def __getattr__(self, name):
+        return getattr(self._loop, name)
+
+
+async def _await(aw):
+    return await aw
+
+
+@dataclass(eq=False)
+class _Call:
+    version_fn: Callable[[], int]
+    version: int
+
+
+@dataclass(eq=False)
+class _Req:
+    rid: str
+    call: _Call
+    task: Any = None
+    started: bool = False          # async_generate entered: SGLang holds a ReqState for it (or held one)
+    phase: str = ""                # at the last pause: "fresh" (not sent to the scheduler), "sent", "ended"
+    target: int | None = 0         # tokens generated before the pause; None: all (it finished before it)
+    aborted: bool = False
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    lp_missing: bool = False
+    finish: str | None = None
+    text: str = ""
+
+
+class AsyncSGLangRunner:
+    def __init__(self, make_engine: Callable[[], Any], census: Callable[[], dict[str, int]], *,
+                 start_timeout_s: float = 1800.0, drain_timeout_s: float = 10.0):
+        """`make_engine()` builds the engine (called on the loop thread); `census()` (called from the pausing
+        thread, after SGLang's pause) returns {rid: tokens generated} of the requests the paused scheduler holds."""
+        self.census = census
+        self.drain_timeout_s = drain_timeout_s
+        self.paused_mode: str | None = None
+        self.last_pause: dict = {}
+        self._calls: set[_Call] = set()
+        self._reqs: dict[str, _Req] = {}       # admitted and not ended (loop thread only)
+        self._open = asyncio.Event()
+        self._open.set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-async-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.engine = self._call(self._build(make_engine), timeout=start_timeout_s)
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.engine.loop = _OnLoop(self._loop, self._thread)
+
+    @staticmethod
+    async def _build(make_engine):
+        return make_engine()   # on the loop thread: Engine takes the running loop as its own (engine.py:302-306)
+
+    def _call(self, coro, timeout: float | None = None):
+        if threading.current_thread() is self._thread or self._loop.is_closed():
+            coro.close()
+            raise EngineError("AsyncSGLangRunner: called from its own loop thread, or after shutdown")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @property
+    def tm(self):
+        return self.engine.tokenizer_manager
+
+    def in_flight(self) -> int:
+        """Requests admitted and not ended (running, parked by a "keep" pause, or queued in SGLang)."""
+        return len(self._reqs)
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling_params: Sequence[dict],
+                 version_fn: Callable[[], int]) -> list[Row]:
+        """One request per prompt (SGLang sampling-params dicts, n=1), all at once; rows in prompt order.
+        While paused, the requests wait until resume()."""
+        if len(sampling_params) != len(prompt_ids):
+            raise EngineError(f"{len(sampling_params)} sampling parameters for {len(prompt_ids)} prompts")
+        if not prompt_ids:
+            return []
+        return self._call(self._generate([[int(t) for t in p] for p in prompt_ids], list(sampling_params), version_fn))
+
+    async def _generate(self, prompts, sps, version_fn) -> list[Row]:
+        call = _Call(version_fn, int(version_fn()))
+        self._calls.add(call)
+        base = uuid.uuid4().hex[:12]
+        tasks = [asyncio.ensure_future(self._one(call, f"rlhf-{base}-{i}", i, p, sp))
+                 for i, (p, sp) in enumerate(zip(prompts, sps))]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            for i in range(len(tasks)):   # a cancelled consumer does not stop SGLang's request
+                if f"rlhf-{base}-{i}" in getattr(self.tm, "rid_to_state", {}):
+                    self.tm.abort_request(f"rlhf-{base}-{i}")
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            self._calls.discard(call)
+
+    async def _one(self, call: _Call, rid: str, i: int, prompt: list[int], sp: dict) -> Row:
+        while not self._open.is_set():
+            await self._open.wait()
+        r = self._reqs[rid] = _Req(rid, call, task=asyncio.current_task())
+        try:
+            r.started = True   # no await until SGLang's ReqState exists (generate_request's first step)
+            gen = await self.engine.async_generate(input_ids=prompt, sampling_params=sp, return_logprob=True,
+                                                   stream=True, rid=rid)
+            async for out in gen:
+                self._take(r, out)
+        except asyncio.CancelledError:
+            if not r.aborted:
+                raise
+            getattr(r.task, "uncancel", lambda: None)()
+            r.finish = "abort"
+        except Exception as e:
+            if not r.aborted:
+                raise EngineError(f"request {rid} failed in SGLang: {type(e).__name__}: {e}") from e
+            r.finish = "abort"     # e.g. aborted before it reached the scheduler
+        finally:
+            self._reqs.pop(rid, None)
+        if r.finish is None:
+            raise EngineError(f"request {rid}: SGLang's stream ended without a finish reason")
+        return (i, r.tokens, None if r.lp_missing else r.logprobs, r.versions, r.finish, r.text)
+
+    def _take(self, r: _Req, out: dict) -> None:
+        """One streamed output. Non-incremental streaming (SGLang's default): output_ids and
+        meta_info["output_token_logprobs"] hold every token so far (live lists; tokenizer_manager.py:2327-2400),
+        except an abort of a queued request, whose output_ids is [last] (:3181-3184)."""
+        meta = out.get("meta_info") or {}
+        fr = meta.get("finish_reason")
+        kind = fr.get("type") if isinstance(fr, dict) else fr
+        ids = out.get("output_ids") or []
+        n, have = len(ids), len(r.tokens)
+        cumulative = kind != "abort" or meta.get("completion_tokens", -1) == n
+        if n > have and cumulative:
+            new = [int(t) for t in ids[have:n]]
+            r.tokens.extend(new)
+            r.versions.extend([r.call.version] * len(new))
+            lps = meta.get("output_token_logprobs")
+            if lps is not None and len(lps) >= n and not r.lp_missing:
+                for (v, t, *_), tok in zip(lps[have:n], new):   # (logprob, token_id, text) per token
+                    if int(t) != tok:
+                        raise EngineError(f"request {r.rid}: SGLang's output_token_logprobs do not match its tokens")
+                    r.logprobs.append(float(v))
+            else:
+                r.lp_missing = True
+        if kind is not None:
+            r.finish = str(kind)
+            r.text = out.get("text") or ""
+
+    # ---- pause / resume --------------------------------------------------------------------------
+    def pause(self, mode: str) -> None:
+        """Returns once paused: "wait" when every request ended; "keep"/"abort" once the scheduler is paused and
+        every token it generated before reached our streams ("abort": and every request ended)."""
+        if mode not in PAUSE_MODES:
+            raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if self.paused_mode is not None:
+            raise EngineError(f"already paused ({self.paused_mode!r}); resume() first")
+        t0 = time.perf_counter()
+        stats: dict = {"mode": mode}
+        self._call(self._close(mode))
+        if mode == "wait":
+            self._call(self._until(lambda: not self._reqs, None))
+        else:
+            t1 = time.perf_counter()
+            counts = self.census()
+            t2 = time.perf_counter()
+            stats.update(census_s=t2 - t1, kept=len(counts))
+            stats["exact"] = self._call(self._drain(counts))
+            stats["drain_s"] = time.perf_counter() - t2
+            if mode == "abort":
+                self._call(self._abort_all())
+        stats["pause_s"] = time.perf_counter() - t0
+        self.last_pause = stats
+        logger.debug("paused: %s", stats)
+
+    async def _close(self, mode: str) -> None:
+        self._open.clear()
+        self.paused_mode = mode
+        if mode == "wait":
+            return
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+        await self.tm.pause_generation(PauseGenerationReqInput(mode="retract"))
+        # The pause message is queued for the scheduler; no request is sent after it without is_pause being
+        # checked first. Which requests were sent before? (no await from here to the census: consistent)
+        for r in self._reqs.values():
+            st = self.tm.rid_to_state.get(r.rid) if r.started else None
+            r.phase = ("ended" if st is None else "sent" if st.dispatched else "fresh") if r.started else "fresh"
+            if mode == "abort" and r.phase == "fresh":
+                r.aborted = True       # never reached the scheduler: end it here, with no tokens
+                r.task.cancel()
+
+    async def _drain(self, counts: dict[str, int]) -> bool:
+        for r in self._reqs.values():
+            r.target = counts.get(r.rid, None if r.phase in ("sent", "ended") else 0)
+        ok = await self._until(lambda: all(len(r.tokens) >= r.target if r.target is not None else False
+                                           for r in self._reqs.values()), self.drain_timeout_s)
+        if not ok:
+            lag = [r.rid for r in self._reqs.values() if r.target is None or len(r.tokens) < r.target]
+            logger.warning("%d requests still lack tokens generated before the pause after %.1fs; their token "
+                           "versions may be off (%s)", len(lag), self.drain_timeout_s, lag[:3])
+        over = [r.rid for r in self._reqs.values() if r.target is not None and len(r.tokens) > r.target]
+        if over:
+            logger.error("requests %s got more tokens than the paused scheduler generated", over[:3])
+        return ok and not over
+
+    async def _abort_all(self) -> None:
+        for r in self._reqs.values():
+            r.aborted = True
+        self.tm.abort_request(abort_all=True)   # retracted requests wait in the queue: each ends with its tokens
+        if not await self._until(lambda: not self._reqs, self.drain_timeout_s):
+            logger.warning("%d requests did not end after abort_all; cancelling them", len(self._reqs))
+            for r in list(self._reqs.values()):
+                r.task.cancel()
+            await self._until(lambda: not self._reqs, self.drain_timeout_s)
+
+    async def _until(self, cond: Callable[[], bool], timeout: float | None) -> bool:
+        deadline = None if timeout is None else self._loop.time() + timeout
+        while not cond():
+            if deadline is not None and self._loop.time() > deadline:
+                return False
+            await asyncio.sleep(0.001)
+        return True
+
+    def resume(self) -> None:
+        """Stamp later tokens with version_fn() (read now), then let SGLang generate again."""
+        t0 = time.perf_counter()
+        self._call(self._resume())
+        self.last_pause["resume_s"] = time.perf_counter() - t0
+
+    async def _resume(self) -> None:
+        for call in list(self._calls):
+            call.version = int(call.version_fn())
+        if self.paused_mode in ("keep", "abort"):
+            from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+            await self.tm.continue_generation(ContinueGenerationReqInput(torch_empty_cache=False))
+        self.paused_mode = None
+        self._open.set()
+
+    def shutdown(self, stop_engine: Callable[[], None] | None = None) -> None:
+        """Cancel our requests, run `stop_engine` (Engine.shutdown and friends), then stop the loop."""
+        if not self._loop.is_closed():
+            try:
+                self._call(self._cancel_all(), timeout=30)
+            except Exception:
+                logger.warning("cancelling SGLang requests at shutdown failed", exc_info=True)
+        if stop_engine is not None:
+            stop_engine()
+        self._stop_loop()
+
+    async def _cancel_all(self) -> None:
+        tasks = [r.task for r in self._reqs.values() if r.task is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _stop_loop(self) -> None:
+        if not self._loop.is_closed():
+            def stop():
+                for t in asyncio.all_tasks(self._loop):   # SGLang's handle_loop and friends
+                    t.cancel()
+                self._loop.call_soon(self._loop.stop)
+            self._loop.call_soon_threadsafe(stop)
+            self._thread.join(timeout=30)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+class StreamingSGLangEngine(SGLangEngine):
+    """`kind: sglang` with `streaming: true`: SGLangEngine on an AsyncSGLangRunner. Many generate calls in flight at
+    once (continuous batching across them), pauses that keep or abort running requests (partial rollouts), and
+    exact per-token versions. Weight sync (broadcast, IPC) and its verification are SGLangEngine's."""
+
+    supports_partial_rollouts = True
+    concurrent_generate = True
+    weight_loaders = (HOOK, CENSUS)
+
+    def _start_engine(self, **kw):
+        from sglang.srt.entrypoints.engine import Engine   # sets SGLang's event-loop policy before our loop exists
+        kw.update(stream_interval=1, incremental_streaming_output=False)   # every token streamed, cumulative lists
+        self._census_seq = 0
+        self.runner = AsyncSGLangRunner(lambda: Engine(**kw), lambda: self._census(False)[0]["census"])
+        return self.runner.engine
+
+    def _census(self, evict: bool) -> list[dict]:
+        """The paused scheduler's census (and with evict, its radix tree emptied), one record per TP rank."""
+        self._census_seq += 1
+        cfg = json.dumps({"dir": self._dir, "seq": self._census_seq, "evict": bool(evict)})
+        self._call("census", self.engine.update_weights_from_tensor, [(_CENSUS + cfg, torch.empty(0))],
+                   load_format=CENSUS, flush_cache=False)
+        return self._reports(self._census_seq, prefix="census")
+
+    def generate(self, prompts: Sequence[Sequence[int]], params) -> list[Sample]:
+        self._check_can_generate()
+        if self._stale:
+            raise EngineError(f"engine {self.name}: weights were dropped by sleep(level=2); sync new weights first")
+        if not prompts:
+            return []
+        prompt_ids = [[int(t) for t in p] for p in prompts]
+        each = per_prompt_params(params, len(prompt_ids))
+        n = each[0].n
+        flat = [p for p in prompt_ids for _ in range(n)]
+        sp = [{"temperature": e.temperature, "top_p": e.top_p, "max_new_tokens": e.max_new_tokens, "n": 1,
+               "ignore_eos": bool(e.ignore_eos)} for e in each for _ in range(n)]
+        try:
+            rows = self.runner.generate(flat, sp, lambda: self.weight_version)
+        except EngineError as e:
+            raise EngineError(f"engine {self.name}: {e}") from e
+        samples = []
+        for j, toks, lps, versions, reason, text in rows:
+            if reason not in ("stop", "length", "abort"):
+                raise EngineError(f"engine {self.name}: a request finished with {reason!r}")
+            if lps is None and reason != "abort":
+                raise EngineError(f"engine {self.name}: SGLang returned no per-token logprobs for a completion")
+            samples.append(Sample(prompt_index=j // n, prompt_ids=flat[j], response_ids=toks, logprobs=lps or [],
+                                  finish_reason=reason, weight_version=versions[0] if versions else self.weight_version,
+                                  engine=self.name, text=text, token_versions=list(versions)))
+        return samples
+
+    def pause(self, mode: str = "wait") -> None:
+        if mode not in PAUSE_MODES:
+            raise EngineError(f"engine {self.name}: unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
+        self.runner.pause(mode)
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        if self.runner.paused_mode is not None:
+            self.runner.resume()
+
+    def finish_sync(self, version: int) -> None:
+        """After "keep": retracted requests wait in SGLang's queue, so flush_cache would fail; evict the radix tree's
+        old-weight KV instead (nothing holds it), so kept and new requests prefill under the new weights."""
+        if self.runner.paused_mode != "keep":
+            return super().finish_sync(version)
+        for rec in self._census(True):
+            if rec.get("protected") or rec.get("evictable_after"):
+                raise EngineError(f"engine {self.name}: TP rank {rec['rank']} kept old-weight KV in its radix cache "
+                                  f"({rec.get('protected')} locked, {rec.get('evictable_after')} left after evicting)")
+        self.weight_version = version
+        self._stale = False
+
+    def sleep(self, level: int = 1) -> None:
+        if self.runner.in_flight():
+            raise EngineError(f"engine {self.name}: cannot sleep with {self.runner.in_flight()} requests in flight or "
+                              "kept (SGLang releases memory only when idle); pause in 'wait' or 'abort' mode first")
+        super().sleep(level)
+
+    def shutdown(self) -> None:
+        self.runner.shutdown(super().shutdown)
