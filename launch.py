@@ -58,7 +58,7 @@ def rl_step(cluster, cfg, step: int) -> tuple[dict, dict]:
     timer = PhaseTimer()
     with timer.phase("step"):
         with timer.phase("to_generate"):    # colocation: trainers offload, engines wake (else no-op)
-            coloc = cluster.to_generate()
+            coloc = cluster.to_generate(step - 1)
         # Engines hold version step-1: the manager admits what max_staleness allows (with 0: this step's groups,
         # exactly the synchronous loop; with k >= 1 most were generated while the trainer trained) and waits.
         with timer.phase("generate"):       # the step's groups, generated and scored
@@ -96,7 +96,8 @@ def save_checkpoint(cluster, step: int, rollout_state: dict) -> None:
                      str(e).splitlines()[0], good)
 
 
-def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
+def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict | None = None) -> dict:
+    """The run; fills `summary` (also when it fails: ledger, faults, where it resumed from) and returns it."""
     import torch
     from tqdm import tqdm
     from actors.builder import Cluster
@@ -109,10 +110,14 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
     random.seed(seed), torch.manual_seed(seed)
     cluster, sinks, records = None, None, []
     rollout_state = None    # the rollout manager's state after the last *completed* step: what a checkpoint holds
-    verified, syncs, summary = 0, 0, {}
+    verified, syncs = 0, 0
+    summary = {} if summary is None else summary
     try:
         cluster = Cluster.start(cfg, run_dir, model_path, dataset, tokenizer.pad_token_id)   # Ray, all actors, sinks
         sinks = cluster.sinks
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _on_sigterm)   # ray.init put its own (sys.exit) in place of ours
+        summary["resume_notes"] = cluster.resume_notes   # filled by find_good at start and by restore()
         resumed = cluster.restore() if cfg.resume else None         # trainer state, engine RNGs
         if resumed:
             records = list(cluster.history)
@@ -126,6 +131,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
                 cluster.trainers.step("sft_step", batch)
         cluster.trainers.call("snapshot_reference", cluster.reference_path, bool(resumed))
         start = resumed["step"] + 1 if resumed else 1
+        summary["resumed_from"] = start - 1 if resumed else None
         sync_metrics = cluster.sync(start - 1)                       # engines start from the trainer's weights
         syncs, verified = 1, int(sync_metrics["sync/checksum_ok"] == 1.0)
         logger.info("initial sync: %.1f MB in %.3fs (%s)", sync_metrics["sync/bytes"] / 1e6,
@@ -151,9 +157,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset) -> dict:
         # Step syncs of the whole run (records span earlier segments after a resume) plus this start's initial one.
         syncs += len(records)
         verified += sum(int(r.get("sync/checksum_ok") == 1.0) for r in records)
-        summary.update(resume_notes=cluster.resume_notes)
-        summary.update(syncs=syncs, verified_syncs=verified, transports=cluster.plan,
-                       resumed_from=start - 1 if resumed else None)
+        summary.update(syncs=syncs, verified_syncs=verified, transports=cluster.plan)
         return summary
     finally:
         if cluster is not None:
@@ -181,15 +185,15 @@ def main(argv=None) -> int:
         return 2
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
-    t0, restarts, rc = time.time(), [], 0
-    summary: dict = {}
+    t0, restarts, faults, rc = time.time(), [], [], 0
     while True:
+        summary: dict = {}
         try:
-            summary = run(cfg, run_dir, model_path, tokenizer, dataset)
+            run(cfg, run_dir, model_path, tokenizer, dataset, summary)
             summary["status"] = "finished"
             break
-        except RunStopped as e:
-            summary = {"status": "stopped", "error": str(e)}
+        except (RunStopped, KeyboardInterrupt) as e:
+            summary.update(status="stopped", error=str(e) or "stopped by Ctrl-C (SIGINT)")
             sys.stderr.write(f"{e}: the last completed step is checkpointed in {run_dir}\n")
             rc = 1
             break
@@ -197,14 +201,16 @@ def main(argv=None) -> int:
             # A dead trainer rank, reward worker, coordinator or manager: restart from the latest good checkpoint.
             if is_actor_death(e) and len(restarts) < cfg.fault_tolerance.max_run_restarts:
                 restarts.append({"t": time.time(), "error": str(e).splitlines()[0][:500]})
+                faults.extend(summary.get("faults", []))
                 logger.error("run failed (%s); restarting from the latest checkpoint (restart %d of %d)",
                              str(e).splitlines()[0], len(restarts), cfg.fault_tolerance.max_run_restarts)
                 cfg = cfg.model_copy(update={"resume": True})   # the dataset here was never drawn from: same order
                 continue
             sys.stderr.write(f"error: {type(e).__name__}: {e}\nmetrics and checkpoints so far are in {run_dir}\n")
-            summary = {"status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+            summary.update(status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
             rc = 1
             break
+    summary["faults"] = faults + summary.get("faults", [])
     summary["run_restarts"] = restarts
     summary["wall_s"] = round(time.time() - t0, 1)
     run_dir.mkdir(parents=True, exist_ok=True)

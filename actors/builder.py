@@ -24,7 +24,7 @@ from actors.trainer import TrainerGroup
 from rlhf_orch.checkpoint import (checkpoint_dir, commit, find_good, read_rl_state, staging_dir, truncate_metrics,
                                   write_rl_state)
 from rlhf_orch.config import engine_names
-from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError
+from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError, is_actor_death
 from rlhf_orch.metrics.timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ def init_ray(cfg) -> bool:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     # address="local": always a new instance; a cluster left running by `ray start` is joined only when named.
     ray.init(address="local", num_cpus=cfg.ray.num_cpus, log_to_driver=True)
+    from actors.watchdog import start_watchdog
+    start_watchdog()   # a SIGKILLed driver must not leave this Ray running (see actors/watchdog.py)
     return True
 
 
@@ -68,6 +70,7 @@ class Cluster:
         self.trainers, self.coordinator, self.engines, self.rewarders = None, None, {}, []
         self.rollouts, self.final_ledger = None, {}
         self.faults: list[dict] = []        # engine faults and what was done about them (summary.json)
+        self.unadmitted: list[str] = []     # replacements started, waiting for their first verified sync
         self.engine_restarts = 0
         self.timeline = Timeline()
         r = cfg.rollout
@@ -210,6 +213,7 @@ class Cluster:
             if "need_engines" not in meta:
                 break
             logger.warning("no live engine for step %d (dead: %s): replacing now", step, meta["need_engines"])
+            self.replace_dead_engines()       # before any hand-over: the dead engine must not be asked to sleep
             self.colocation.to_train()        # colocated: the trainer's weights must be on its device to send
             self.sync(step - 1, resync=True)
             self.colocation.to_generate()
@@ -226,20 +230,53 @@ class Cluster:
                                             "groups_filtered": meta["metrics"].get("rollout/groups_filtered", 0)}) + "\n")
         self._rollout_log.flush()
 
-    def to_generate(self) -> dict:
-        """Colocation: trainers offload, sleeping engines take their KV cache back (no-op otherwise)."""
-        return self.colocation.to_generate()
+    def to_generate(self, version: int) -> dict:
+        """Colocation: trainers offload, sleeping engines take their KV cache back (no-op otherwise). An engine
+        found dead here is replaced and given `version` (the trainer's current weights) before generation."""
+        try:
+            return self.colocation.to_generate()
+        except EngineError as err:
+            if not self._engines_died(err, "the hand-over to generate"):
+                raise
+            self.colocation.to_train()
+            self.sync(version, resync=True)
+            return self.colocation.to_generate()
 
     def to_train(self) -> dict:
-        """Colocation: engines sleep, trainers reload (no-op otherwise)."""
-        return self.colocation.to_train()
+        """Colocation: engines sleep, trainers reload (no-op otherwise). A dead engine is replaced (its replacement
+        gets weights at the step's sync)."""
+        try:
+            return self.colocation.to_train()
+        except EngineError as err:
+            if not self._engines_died(err, "the hand-over to train"):
+                raise
+            return self.colocation.to_train()
+
+    def _engines_died(self, err: Exception, phase: str) -> bool:
+        """After an error naming a dead actor: find the dead engines, tell the manager (it re-queues their groups)
+        and start replacements. False if no engine is dead (the error is someone else's)."""
+        if not is_actor_death(err):
+            return False
+        dead = self._probe_engines()
+        if not dead:
+            return False
+        for name, cause in dead.items():
+            self._rget(self.rollouts.engine_died.remote(name, cause, phase), "rollout manager")
+        logger.error("engine(s) %s died (seen in %s: %s); replacing", sorted(dead), phase, str(err).splitlines()[0][:200])
+        self.replace_dead_engines()
+        return True
 
     def sync(self, version: int, resync: bool = False) -> dict:
         """Push the trainer's weights into every engine as `version` (in the train phase). Dead engines are
         replaced first (the replacements' first sync is this one, verified like every other); an engine that
         dies during the sync is found, replaced, and the sync is done again once."""
-        wake = self.colocation.wake_weights()
-        replaced = self.replace_dead_engines()
+        self.replace_dead_engines()
+        try:
+            wake = self.colocation.wake_weights()
+        except EngineError as err:
+            if not self._engines_died(err, f"waking weights for sync v{version}"):
+                raise
+            wake = self.colocation.wake_weights()
         with self.timeline.span("weight-sync", "sync", version=version):
             try:
                 out = self._sync_once(version, resync)
@@ -251,10 +288,9 @@ class Cluster:
                     self._rget(self.rollouts.engine_died.remote(name, cause, f"weight sync v{version}"), "rollout manager")
                 logger.error("weight sync v%d failed because engine(s) %s died (%s); replacing and syncing again",
                              version, sorted(dead), str(err).splitlines()[0][:200])
-                replaced.extend(self.replace_dead_engines())
+                self.replace_dead_engines()
                 out = self._sync_once(version, True)
-        if replaced:
-            self._admit_replacements(replaced, out)
+        self._admit_replacements(out)
         return {**out, **wake, "fault/engines_live": float(len(self.engines)),
                 "fault/engine_restarts": float(self.engine_restarts)}
 
@@ -297,6 +333,7 @@ class Cluster:
             self.slots[new_name] = slot
             self.sampling[new_name] = self.sampling[name]
             self.engines[new_name] = self._make_engine(new_name, self.engine_restarts)
+            self.unadmitted.append(new_name)
             if slot["ecfg"].sleep_level:
                 self.colocation.sleep_levels[new_name] = slot["ecfg"].sleep_level
             entry["replacement"] = new_name
@@ -313,9 +350,10 @@ class Cluster:
         logger.info("replacement engine(s) %s up; weight sync re-planned: %s", new, self.plan)
         return new
 
-    def _admit_replacements(self, names: list[str], sync_out: dict) -> None:
+    def _admit_replacements(self, sync_out: dict) -> None:
         """Replacements whose first sync was verified take work; the fault records get their recovery time."""
-        if sync_out.get("sync/checksum_ok") != 1.0 and self.cfg.weight_sync.verify:
+        names, self.unadmitted = [n for n in self.unadmitted if n in self.engines], []
+        if names and sync_out.get("sync/checksum_ok") != 1.0 and self.cfg.weight_sync.verify:
             raise WeightSyncError(f"replacement engines {names}: first sync not verified")
         for n in names:
             params = sampling_params(self.sampling[n], self.cfg.algorithm.group_size)
@@ -395,7 +433,7 @@ class Cluster:
     def _trainers_alive(self) -> bool:
         """A checkpoint needs every rank: with one dead the others would wait in a collective until its timeout."""
         try:
-            ray.get([t.device_id.remote() for t in self.trainers.actors], timeout=15)
+            ray.get([t.health.remote() for t in self.trainers.actors], timeout=15)
             return True
         except Exception as e:
             logger.warning("no final checkpoint: a trainer rank does not answer (%s); the latest one stays in charge",

@@ -83,9 +83,10 @@ class Colocation:
             freed = [p["offload/freed_gb"] for p in parts if "offload/freed_gb" in p]
             if freed:
                 m["colocate/offload_freed_gb"] = sum(freed)
+        # The phase follows the trainers: if an engine dies while waking, to_train() must reload them.
+        self.phase = "generate"
         if self.sleep_levels:
             m["colocate/wake_kv_s"] = max(self._engines("wake_up", ["kv_cache"]))
-        self.phase = "generate"
         m["colocate/to_generate_s"] = time.perf_counter() - t0
         m.update(self.memory("generate"))
         return m

@@ -44,8 +44,9 @@ class RolloutActor:
     def health(self) -> dict:
         """Answered from its own thread while generate runs: progress (finished calls + decode steps), whether
         the engine is paused or asleep on purpose, and whether it reports every decode step."""
+        import os
         asleep = getattr(self.engine, "is_asleep", lambda: False)()
-        return {"progress": self._calls_done + int(getattr(self.engine, "progress_steps", 0)),
+        return {"pid": os.getpid(), "progress": self._calls_done + int(getattr(self.engine, "progress_steps", 0)),
                 "paused": self._syncing or asleep,
                 "reports_steps": bool(getattr(self.engine, "reports_decode_steps", False))}
 

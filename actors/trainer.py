@@ -42,6 +42,11 @@ class TrainerActor:
         self.trainer = DeepSpeedTrainer(model_path, self.rank, self.world_size, device=self.device, **kwargs)
         return self.device_id()
 
+    def health(self) -> dict:
+        """A cheap liveness probe (the driver's, before a checkpoint): this rank's process id."""
+        import os
+        return {"pid": os.getpid(), "rank": self.rank}
+
     def device_id(self) -> str:
         return self.trainer.device_id() or self._device_id
 
