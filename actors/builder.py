@@ -174,7 +174,8 @@ class Cluster:
         return RolloutActor.options(**opts).remote(ename, kind, cfg.trainer.device, self.placement.device_id(bundle), kwargs)
 
     def _sinks(self):
-        from rlhf_orch.metrics import JsonlSink, MultiSink, RayMetricsSink, TensorBoardSink
+        from actors.metrics_sink import RayMetricsSink
+        from rlhf_orch.metrics import JsonlSink, MultiSink, TensorBoardSink
         m, sinks = self.cfg.metrics, []
         if m.jsonl:
             path = self.run_dir / "metrics.jsonl"

@@ -2,12 +2,13 @@
 
 Metrics are flat namespaced dicts of python numbers (`{"rollout/reward_mean": 0.4, ...}`) written
 only by the driver. This module provides a JSON-lines file (the run's durable record, read back by
-`read_jsonl` for plots and resume), TensorBoard, Ray custom metrics (Prometheus / Ray dashboard),
-and a fan-out that keeps a run alive when one destination fails.
+`read_jsonl` for plots and resume), TensorBoard, the gauge names Ray custom metrics use (the Ray sink itself is
+actors/metrics_sink.py: rlhf_orch never imports Ray), and a fan-out that keeps a run alive when one destination
+fails.
 
 What it deliberately does not do: aggregate, smooth or buffer metrics (every write goes straight
-out), print to stdout (the driver shows a progress bar), or import ray / tensorboard at module
-import time -- each sink imports its library when it is constructed.
+out), print to stdout (the driver shows a progress bar), or import tensorboard at module import time -- it is
+imported when its sink is constructed.
 """
 
 from __future__ import annotations
@@ -189,55 +190,6 @@ def gauge_name(key: str) -> str:
     digit and groups our metrics on a shared Prometheus endpoint.
     """
     return _GAUGE_PREFIX + _INVALID_GAUGE_CHARS.sub("_", key)
-
-
-class RayMetricsSink(MetricSink):
-    """Exports metrics as Ray custom metrics (`ray.util.metrics.Gauge`).
-
-    They appear on the cluster's Prometheus endpoint and the Ray dashboard, tagged
-    `experiment=<experiment>`. `keys` maps metric key -> gauge name and restricts the export to
-    those keys (names are sanitised all the same); by default every numeric key written is
-    exported under `gauge_name(key)`. Gauges are created lazily, once per key.
-
-    Only usable in a process connected to Ray (`ray.is_initialized()`); construction raises
-    RuntimeError otherwise. Non-finite values are skipped: a NaN gauge only hides the last good one.
-    """
-
-    def __init__(self, keys: dict[str, str] | None = None, experiment: str = "default") -> None:
-        import ray  # lazy: importing ray costs a second and is not needed by the other sinks
-
-        if not ray.is_initialized():
-            raise RuntimeError(
-                "RayMetricsSink needs a process connected to Ray: call ray.init() (or run inside "
-                "a Ray driver/actor) before constructing it"
-            )
-        self._keys = None if keys is None else {k: _INVALID_GAUGE_CHARS.sub("_", v) for k, v in keys.items()}
-        self.experiment = str(experiment)
-        self._gauges: dict[str, Any] = {}
-
-    def _gauge(self, key: str):
-        gauge = self._gauges.get(key)
-        if gauge is None:
-            from ray.util.metrics import Gauge
-
-            name = gauge_name(key) if self._keys is None else self._keys[key]
-            gauge = Gauge(name, description=f"rlhf_orch metric {key!r}", tag_keys=("experiment",))
-            gauge.set_default_tags({"experiment": self.experiment})
-            self._gauges[key] = gauge
-        return gauge
-
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        for key, value in metrics.items():
-            if self._keys is not None and key not in self._keys:
-                continue
-            number = _as_number(value)
-            if number is None or not math.isfinite(number):
-                continue
-            self._gauge(key).set(number)
-
-    def close(self) -> None:
-        # Ray owns the exporter; dropping our references is all there is to release.
-        self._gauges.clear()
 
 
 class MultiSink(MetricSink):
