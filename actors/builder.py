@@ -258,7 +258,7 @@ class Cluster:
         and start replacements. False if no engine is dead (the error is someone else's)."""
         if not is_actor_death(err):
             return False
-        dead = self._probe_engines()
+        dead = self._probe_engines(phase)
         if not dead:
             return False
         for name, cause in dead.items():
@@ -282,7 +282,7 @@ class Cluster:
             try:
                 out = self._sync_once(version, resync)
             except WeightSyncError as err:
-                dead = self._probe_engines()
+                dead = self._probe_engines(f"weight sync v{version}")
                 if not dead:
                     raise
                 for name, cause in dead.items():
@@ -300,7 +300,7 @@ class Cluster:
                    f"weight sync v{version}", WeightSyncError)
 
     # ---- engine faults ----------------------------------------------------------------------------
-    def _probe_engines(self) -> dict[str, str]:
+    def _probe_engines(self, phase: str) -> dict[str, str]:
         """{name: cause} of engines that do not answer a short health check (dead or frozen)."""
         dead = {}
         refs = {n: e.health.remote() for n, e in self.engines.items()}
@@ -308,7 +308,7 @@ class Cluster:
             try:
                 ray.get(ref, timeout=min(10.0, self.cfg.fault_tolerance.engine_stall_s))
             except Exception as e:
-                dead[n] = f"no answer to a health check after a failed sync: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                dead[n] = f"no answer to a health check after {phase} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         return dead
 
     def replace_dead_engines(self) -> list[str]:

@@ -259,24 +259,30 @@ class SGLangEngine(EngineLifecycle):
         return list(self._ids)
 
     # ---- generation -------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], params) -> list[Sample]:
+    def _requests(self, prompts: Sequence[Sequence[int]], params) -> tuple[list[list[int]], list[dict], int]:
+        """(one prompt per sample, SGLang sampling params per sample, n): each prompt repeated n times, n=1 each,
+        so outputs come back in request order. Checks first that the engine may generate."""
         self._check_can_generate()
         if self._stale:
             raise EngineError(f"engine {self.name}: weights were dropped by sleep(level=2); sync new weights first")
-        if not prompts:
-            return []
         prompt_ids = [[int(t) for t in p] for p in prompts]
-        each = per_prompt_params(params, len(prompt_ids))
-        params = each[0]   # n, temperature and top_p are shared; length and ignore_eos may differ per prompt
-        flat = [p for p in prompt_ids for _ in range(params.n)]
+        each = per_prompt_params(params, len(prompt_ids)) if prompt_ids else []
+        n = each[0].n if each else 1   # n, temperature and top_p are shared; length and ignore_eos may differ per prompt
+        flat = [p for p in prompt_ids for _ in range(n)]
         sp = [{"temperature": e.temperature, "top_p": e.top_p, "max_new_tokens": e.max_new_tokens, "n": 1,
-               "ignore_eos": bool(e.ignore_eos)} for e in each for _ in range(params.n)]
+               "ignore_eos": bool(e.ignore_eos)} for e in each for _ in range(n)]
+        return flat, sp, n
+
+    def generate(self, prompts: Sequence[Sequence[int]], params) -> list[Sample]:
+        flat, sp, n = self._requests(prompts, params)
+        if not flat:
+            return []
         with self._lock:
             outs = self._call("generate", self.engine.generate, input_ids=flat, sampling_params=sp, return_logprob=True)
         outs = [outs] if isinstance(outs, dict) else list(outs)
         if len(outs) != len(flat):
             raise EngineError(f"engine {self.name}: SGLang returned {len(outs)} outputs for {len(flat)} requests")
-        return [self._sample(i // params.n, flat[i], out) for i, out in enumerate(outs)]
+        return [self._sample(i // n, flat[i], out) for i, out in enumerate(outs)]
 
     def _sample(self, prompt_index: int, prompt: list[int], out: dict) -> Sample:
         meta = out["meta_info"]

@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rlhf_orch.engines.base import PAUSE_MODES, per_prompt_params
+from rlhf_orch.engines.base import PAUSE_MODES
 from rlhf_orch.engines.sglang import HOOK, SGLangEngine
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
@@ -417,17 +417,9 @@ class StreamingSGLangEngine(SGLangEngine):
         return self._reports(self._census_seq, prefix="census")
 
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list[Sample]:
-        self._check_can_generate()
-        if self._stale:
-            raise EngineError(f"engine {self.name}: weights were dropped by sleep(level=2); sync new weights first")
-        if not prompts:
+        flat, sp, n = self._requests(prompts, params)
+        if not flat:
             return []
-        prompt_ids = [[int(t) for t in p] for p in prompts]
-        each = per_prompt_params(params, len(prompt_ids))
-        n = each[0].n
-        flat = [p for p in prompt_ids for _ in range(n)]
-        sp = [{"temperature": e.temperature, "top_p": e.top_p, "max_new_tokens": e.max_new_tokens, "n": 1,
-               "ignore_eos": bool(e.ignore_eos)} for e in each for _ in range(n)]
         try:
             rows = self.runner.generate(flat, sp, lambda: self.weight_version)
         except EngineError as e:
