@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from pathlib import Path
 
 import ray
@@ -17,6 +16,7 @@ from actors.colocation import Colocation
 from actors.common import actor_env, get
 from actors.coordinator import WeightSyncCoordinator
 from actors.placement import allocate
+from actors.recovery import EngineRecovery
 from actors.reward import RewardActor
 from actors.rollout import RolloutActor, sampling_params
 from actors.rollout_manager import RolloutManager
@@ -24,7 +24,7 @@ from actors.trainer import TrainerGroup
 from rlhf_orch.checkpoint import (checkpoint_dir, commit, find_good, read_rl_state, staging_dir, truncate_metrics,
                                   write_rl_state)
 from rlhf_orch.config import engine_names
-from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError, is_actor_death
+from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError
 from rlhf_orch.metrics.timeline import Timeline
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def engine_env(env: dict, ecfg) -> dict:
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [extra, env.get("PYTHONPATH")]))}
 
 
-class Cluster:
+class Cluster(EngineRecovery):
     @classmethod
     def start(cls, cfg, run_dir: Path, model_path: str, dataset, pad_id: int) -> "Cluster":
         """Everything up and the sync plan made; on any failure, what was started is torn down first."""
@@ -143,7 +143,10 @@ class Cluster:
         self.coordinator = WeightSyncCoordinator.options(name=f"{name}-weight-sync", runtime_env={"env_vars": env}).remote(
             self.trainers.actors, self.engines, device, cfg.model.dtype, cfg.weight_sync.transport,
             int(cfg.weight_sync.bucket_size_mb * 2**20), cfg.weight_sync.verify, cfg.weight_sync.timeout_s)
-        info = get(self.coordinator.setup.remote(), cfg.weight_sync.timeout_s, "weight-sync setup", WeightSyncError)
+        # Parameter specs and group creation: the configured deadline, else the model's (known only after the specs).
+        info = get(self.coordinator.setup.remote(), cfg.weight_sync.timeout_s or self.timeout, "weight-sync setup",
+                   WeightSyncError)
+        self.sync_timeout = info["timeout_s"]
         self.plan = info["plan"]
         a, r = cfg.algorithm, cfg.rollout
         settings = dict(prompts_per_step=cfg.data.prompts_per_step, group_size=a.group_size, max_staleness=r.max_staleness,
@@ -253,20 +256,6 @@ class Cluster:
                 raise
             return self.colocation.to_train()
 
-    def _engines_died(self, err: Exception, phase: str) -> bool:
-        """After an error naming a dead actor: find the dead engines, tell the manager (it re-queues their groups)
-        and start replacements. False if no engine is dead (the error is someone else's)."""
-        if not is_actor_death(err):
-            return False
-        dead = self._probe_engines(phase)
-        if not dead:
-            return False
-        for name, cause in dead.items():
-            self._rget(self.rollouts.engine_died.remote(name, cause, phase), "rollout manager")
-        logger.error("engine(s) %s died (seen in %s: %s); replacing", sorted(dead), phase, str(err).splitlines()[0][:200])
-        self.replace_dead_engines()
-        return True
-
     def sync(self, version: int, resync: bool = False) -> dict:
         """Push the trainer's weights into every engine as `version` (in the train phase). Dead engines are
         replaced first (the replacements' first sync is this one, verified like every other); an engine that
@@ -291,81 +280,13 @@ class Cluster:
                              version, sorted(dead), str(err).splitlines()[0][:200])
                 self.replace_dead_engines()
                 out = self._sync_once(version, True)
-        self._admit_replacements(out)
-        return {**out, **wake, "fault/engines_live": float(len(self.engines)),
+        recovered = self._admit_replacements(out)
+        return {**out, **wake, **recovered, "fault/engines_live": float(len(self.engines)),
                 "fault/engine_restarts": float(self.engine_restarts)}
 
     def _sync_once(self, version: int, resync: bool) -> dict:
-        return get(self.coordinator.sync.remote(version, self.pause_mode, resync), self.cfg.weight_sync.timeout_s,
+        return get(self.coordinator.sync.remote(version, self.pause_mode, resync), self.sync_timeout,
                    f"weight sync v{version}", WeightSyncError)
-
-    # ---- engine faults ----------------------------------------------------------------------------
-    def _probe_engines(self, phase: str) -> dict[str, str]:
-        """{name: cause} of engines that do not answer a short health check (dead or frozen)."""
-        dead = {}
-        refs = {n: e.health.remote() for n, e in self.engines.items()}
-        for n, ref in refs.items():
-            try:
-                ray.get(ref, timeout=min(10.0, self.cfg.fault_tolerance.engine_stall_s))
-            except Exception as e:
-                dead[n] = f"no answer to a health check after {phase} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        return dead
-
-    def replace_dead_engines(self) -> list[str]:
-        """Start a replacement on the same placement bundle for every engine the manager declared dead (while
-        fault_tolerance.max_engine_restarts lasts), and re-plan the weight sync with every live engine. Returns the
-        replacements' names; they take work only after a verified sync (`_admit_replacements`)."""
-        dead = self._rget(self.rollouts.take_dead.remote(), "rollout manager (dead engines)")
-        if not dead:
-            return []
-        ft, new = self.cfg.fault_tolerance, []
-        for name, rec in dead.items():
-            self.engines.pop(name, None)
-            self.colocation.sleep_levels.pop(name, None)
-            entry = {**rec, "replacement": None}
-            self.faults.append(entry)
-            if self.engine_restarts >= ft.max_engine_restarts:
-                logger.error("engine %s is dead and fault_tolerance.max_engine_restarts=%d is spent: going on with %s",
-                             name, ft.max_engine_restarts, sorted(self.engines) or "no engine")
-                continue
-            self.engine_restarts += 1
-            slot = self.slots[name]
-            new_name = f"{slot['base']}.r{self.engine_restarts}"
-            self.slots[new_name] = slot
-            self.sampling[new_name] = self.sampling[name]
-            self.engines[new_name] = self._make_engine(new_name, self.engine_restarts)
-            self.unadmitted.append(new_name)
-            if slot["ecfg"].sleep_level:
-                self.colocation.sleep_levels[new_name] = slot["ecfg"].sleep_level
-            entry["replacement"] = new_name
-            new.append(new_name)
-        if not self.engines:
-            raise EngineError(f"every engine is dead and fault_tolerance.max_engine_restarts="
-                              f"{ft.max_engine_restarts} is spent; last fault: {self.faults[-1]['engine']} "
-                              f"({self.faults[-1]['cause']})")
-        get([self.engines[n].device_ids.remote() for n in new], self.timeout, f"replacement engines {new} to start",
-            EngineError)
-        info = get(self.coordinator.reconfigure.remote(self.engines), self.cfg.weight_sync.timeout_s,
-                   "weight-sync re-plan with the replacement engines", WeightSyncError)
-        self.plan = info["plan"]
-        logger.info("replacement engine(s) %s up; weight sync re-planned: %s", new, self.plan)
-        return new
-
-    def _admit_replacements(self, sync_out: dict) -> None:
-        """Replacements whose first sync was verified take work; the fault records get their recovery time."""
-        names, self.unadmitted = [n for n in self.unadmitted if n in self.engines], []
-        if names and sync_out.get("sync/checksum_ok") != 1.0 and self.cfg.weight_sync.verify:
-            raise WeightSyncError(f"replacement engines {names}: first sync not verified")
-        for n in names:
-            params = sampling_params(self.sampling[n], self.cfg.algorithm.group_size)
-            self._rget(self.rollouts.add_engine.remote(n, self.engines[n], params), "rollout manager (add engine)")
-            for f in self.faults:
-                if f.get("replacement") == n:
-                    f.update(serving_t=time.time(), recovery_s=round(time.time() - f["t"], 3),
-                             first_sync_verified=bool(sync_out.get("sync/checksum_ok") == 1.0),
-                             first_sync_version=int(sync_out["sync/version"]))
-                    logger.info("engine %s replaced by %s: serving %.1fs after the fault, first sync v%d verified",
-                                f["engine"], n, f["recovery_s"], f["first_sync_version"])
 
     def checkpoint(self, step: int, rollout_state: dict) -> None:
         """DeepSpeed state of every rank, the RL state (step, version, data cursor, engine RNGs) and an HF export,
@@ -449,6 +370,9 @@ class Cluster:
         try:
             self.timeline.extend(ray.get(self.rollouts.events.remote(), timeout=30))
             self.final_ledger = ray.get(self.rollouts.ledger.remote(), timeout=30)
+            # engines declared dead after the last step boundary: recorded, never replaced
+            self.faults.extend({**rec, "replacement": None} for rec in
+                               ray.get(self.rollouts.take_dead.remote(), timeout=30).values())
         except Exception as e:
             logger.warning("rollout manager did not report its ledger: %s", str(e).splitlines()[0])
         ray.kill(self.rollouts)

@@ -19,6 +19,7 @@ import ray
 from actors.common import get, setup_process
 from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.weight_sync import digest, make_plan, plan_buckets
+from rlhf_orch.weight_sync.plan import sync_deadline_s
 from rlhf_orch.weight_sync.verify import mismatches
 
 logger = logging.getLogger(__name__)
@@ -27,11 +28,12 @@ logger = logging.getLogger(__name__)
 @ray.remote(num_cpus=0)
 class WeightSyncCoordinator:
     def __init__(self, trainers: list, engines: dict, device: str, dtype: str, transport: str,
-                 bucket_bytes: int, verify: bool, timeout_s: float):
+                 bucket_bytes: int, verify: bool, timeout_s: float | None):
         setup_process("cpu")
         self.trainers, self.engines = trainers, engines
         self.device, self.dtype, self.transport = device, dtype, transport
-        self.bucket_bytes, self.verify, self.timeout_s = bucket_bytes, verify, timeout_s
+        self.bucket_bytes, self.verify, self.configured_timeout = bucket_bytes, verify, timeout_s
+        self.timeout_s = sync_deadline_s(0, timeout_s)   # until setup() knows the bytes
         self.plan = None
         self.layouts = []
         self.version = -1
@@ -47,6 +49,7 @@ class WeightSyncCoordinator:
         self.plan = make_plan(trainer_devs, engine_devs, self.transport)
         specs = self._get(self.trainers[0].param_specs.remote(self.dtype), "parameter specs")
         self.layouts = plan_buckets(specs, self.bucket_bytes)
+        self.timeout_s = sync_deadline_s(sum(b.nbytes for b in self.layouts), self.configured_timeout)
         group = None
         if self.plan.group_world_size:
             # Rank 0 hosts the store: its node's address and a port free there, never a fixed address.
@@ -66,7 +69,7 @@ class WeightSyncCoordinator:
         logger.info("weight sync plan: %s; %d tensors in %d buckets (%.1f MB)", self.plan.summary(),
                     len(specs), len(self.layouts), nbytes / 1e6)
         return {"plan": self.plan.summary(), "buckets": len(self.layouts), "tensors": len(specs),
-                "bytes": nbytes, "setup_s": time.perf_counter() - t0}
+                "bytes": nbytes, "setup_s": time.perf_counter() - t0, "timeout_s": self.timeout_s}
 
     def reconfigure(self, engines: dict) -> dict:
         """The engines changed (one died, a replacement started): every live side leaves the old broadcast group,

@@ -52,7 +52,6 @@ class RolloutManager:
         self._cond: asyncio.Condition | None = None
         self.health = HealthTracker(settings.get("engine_stall_s", 30.0))
         self.dead: dict[str, dict] = {}      # declared dead, not yet taken by the driver
-        self.faults: list[dict] = []         # every engine fault of the run segment
         self._watcher: asyncio.Task | None = None
 
     # ---- control (driver) -------------------------------------------------------------------------
@@ -147,9 +146,6 @@ class RolloutManager:
         self.sched.add_engine(name)
         self._pump()
         await self._notify()
-
-    def fault_log(self) -> list[dict]:
-        return list(self.faults)
 
     def events(self) -> list[dict]:
         """Timeline events not yet handed to the driver."""
@@ -257,7 +253,6 @@ class RolloutManager:
             pass
         now = time.time()
         rec = {"engine": name, "t": now, "phase": phase, "cause": cause, "groups_requeued": len(lost)}
-        self.faults.append(rec)
         self.dead[name] = rec
         self.timeline.add(f"engine:{name}", "dead", now, now, cause=cause[:120])
         logger.error("engine %s declared dead during %s (%s); %d groups re-queued on %s", name, phase, cause,

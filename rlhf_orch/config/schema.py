@@ -164,7 +164,9 @@ class WeightSyncSection(_Section):
     transport: Literal["auto", "ipc", "broadcast"] = Field("auto", description="auto: ipc for engines on trainer devices, broadcast otherwise.")
     bucket_size_mb: float = Field(256, gt=0, description="Flattened bucket size in MiB.")
     verify: bool = Field(True, description="Compare trainer and engine checksums after every sync; a mismatch fails the step.")
-    timeout_s: float = Field(300.0, gt=0, description="Timeout for one sync and for group creation.")
+    timeout_s: float | None = Field(None, gt=0, description="Deadline of one sync, of group creation and of every "
+                                    "broadcast collective (default: 60 s + 10 s per GB of weights, i.e. a sync slower "
+                                    "than 0.1 GB/s is a hang).")
     mismatch_alarm: float | None = Field(None, gt=0, description="Fail if max |engine - trainer| logprob after a sync exceeds this.")
 
 

@@ -63,3 +63,9 @@ def make_plan(trainer_devices: list[str], engine_devices: dict[str, list[str]], 
         raise ConfigError(problems)
     world = next_rank if next_rank > 1 else 0
     return SyncPlan(routes, world, ipc_targets)
+
+
+def sync_deadline_s(nbytes: int, configured: float | None) -> float:
+    """weight_sync.timeout_s, or a deadline that fits the work: 60 s of fixed costs plus 10 s per GB (a sync slower
+    than 0.1 GB/s, ~100x below any link we run on, is a hang)."""
+    return float(configured) if configured else 60.0 + 10.0 * nbytes / 1e9

@@ -136,3 +136,20 @@ def test_the_only_engine_dies_and_a_replacement_gets_the_current_weights_at_once
     assert fault["engine"] == "colocated" and fault["replacement"] == "colocated.r1"
     assert fault["first_sync_verified"] is True
     assert records[-1]["sync/ipc_engines"] == 1 and records[-1]["fault/engines_live"] == 1
+
+
+def test_engine_without_progress_is_declared_hung_and_restarts_are_bounded(tmp_path):
+    """The dedicated engine answers its health checks but takes 10 s per decode step (longer than
+    engine_stall_s): it is hung. Its replacement (same config) hangs too; with max_engine_restarts=1 spent, the run
+    finishes on the colocated engine, and summary.json lists both faults."""
+    run = tmp_path / "slow"
+    rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
+                      "experiment.name=slow", "experiment.steps=4", "fault_tolerance.engine_stall_s=3",
+                      "fault_tolerance.health_interval_s=0.5", "fault_tolerance.max_engine_restarts=1",
+                      *COMMON[:-1], "engines.1.decode_delay_s=10"])
+    assert rc == 0
+    records, summary = _check_run(run, 4)
+    assert [(f["engine"], f["replacement"]) for f in summary["faults"]] == [("dedicated", "dedicated.r1"),
+                                                                             ("dedicated.r1", None)]
+    assert all("no progress" in f["cause"] for f in summary["faults"])
+    assert records[-1]["fault/engines_live"] == 1 and records[-1]["fault/engine_restarts"] == 1

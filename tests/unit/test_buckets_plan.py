@@ -230,3 +230,10 @@ def test_bucket_checksums_match_per_tensor_checksums_for_many_small_tensors():
     tensors = [torch.randn(s.shape).to(getattr(torch, s.dtype)) for s in specs]
     pack(layout, tensors, buf)
     assert bucket_checksums(layout, buf) == checksums(tensors)
+
+
+def test_sync_deadline_fits_the_bytes_unless_configured():
+    from rlhf_orch.weight_sync.plan import sync_deadline_s
+    assert sync_deadline_s(0, None) == 60.0
+    assert sync_deadline_s(16 * 10**9, None) == 60.0 + 160.0     # an 8B model in bf16
+    assert sync_deadline_s(16 * 10**9, 45.0) == 45.0

@@ -1,0 +1,112 @@
+"""EngineRecovery: how the driver's Cluster replaces dead rollout engines (a mixin of actors/builder.py's Cluster).
+
+The rollout manager declares an engine dead (its process died during generate, or a health check found it hung);
+the driver meets other deaths itself (a colocation hand-over, a weight sync). Either way the driver here: tells
+the manager (its running groups go back to the queue), starts a replacement on the same placement bundle (while
+fault_tolerance.max_engine_restarts lasts), re-plans the weight sync with every live engine (a new broadcast
+group; CUDA IPC for a colocated one), and admits the replacement to the manager only after its first sync is
+verified by checksum. Fault records (what died, when, why, the replacement, seconds to serving) end up in
+summary.json. It does not restart trainers, reward workers or the coordinator: launch.py restarts the whole run
+from its latest checkpoint for those.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+
+from actors.common import get
+from actors.rollout import sampling_params
+from rlhf_orch.errors import EngineError, WeightSyncError, is_actor_death
+
+logger = logging.getLogger(__name__)
+
+
+class EngineRecovery:
+    """Needs from the Cluster: cfg, engines, slots, sampling, colocation, coordinator, rollouts, timeout, plan,
+    faults, unadmitted, engine_restarts, _rget and _make_engine."""
+
+    def _engines_died(self, err: Exception, phase: str) -> bool:
+        """After an error naming a dead actor: find the dead engines, tell the manager (it re-queues their groups)
+        and start replacements. False if no engine is dead (the error is someone else's)."""
+        if not is_actor_death(err):
+            return False
+        dead = self._probe_engines(phase)
+        if not dead:
+            return False
+        for name, cause in dead.items():
+            self._rget(self.rollouts.engine_died.remote(name, cause, phase), "rollout manager")
+        logger.error("engine(s) %s died (seen in %s: %s); replacing", sorted(dead), phase, str(err).splitlines()[0][:200])
+        self.replace_dead_engines()
+        return True
+
+    def _probe_engines(self, phase: str) -> dict[str, str]:
+        """{name: cause} of engines that do not answer a short health check (dead or frozen)."""
+        dead = {}
+        refs = {n: e.health.remote() for n, e in self.engines.items()}
+        for n, ref in refs.items():
+            try:
+                ray.get(ref, timeout=min(10.0, self.cfg.fault_tolerance.engine_stall_s))
+            except Exception as e:
+                dead[n] = f"no answer to a health check after {phase} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return dead
+
+    def replace_dead_engines(self) -> list[str]:
+        """Start a replacement on the same placement bundle for every engine the manager declared dead (while
+        fault_tolerance.max_engine_restarts lasts), and re-plan the weight sync with every live engine. Returns the
+        replacements' names; they take work only after a verified sync (`_admit_replacements`)."""
+        dead = self._rget(self.rollouts.take_dead.remote(), "rollout manager (dead engines)")
+        if not dead:
+            return []
+        ft, new = self.cfg.fault_tolerance, []
+        for name, rec in dead.items():
+            self.engines.pop(name, None)
+            self.colocation.sleep_levels.pop(name, None)
+            entry = {**rec, "replacement": None}
+            self.faults.append(entry)
+            if self.engine_restarts >= ft.max_engine_restarts:
+                logger.error("engine %s is dead and fault_tolerance.max_engine_restarts=%d is spent: going on with %s",
+                             name, ft.max_engine_restarts, sorted(self.engines) or "no engine")
+                continue
+            self.engine_restarts += 1
+            slot = self.slots[name]
+            new_name = f"{slot['base']}.r{self.engine_restarts}"
+            self.slots[new_name] = slot
+            self.sampling[new_name] = self.sampling[name]
+            self.engines[new_name] = self._make_engine(new_name, self.engine_restarts)
+            self.unadmitted.append(new_name)
+            if slot["ecfg"].sleep_level:
+                self.colocation.sleep_levels[new_name] = slot["ecfg"].sleep_level
+            entry["replacement"] = new_name
+            new.append(new_name)
+        if not self.engines:
+            raise EngineError(f"every engine is dead and fault_tolerance.max_engine_restarts="
+                              f"{ft.max_engine_restarts} is spent; last fault: {self.faults[-1]['engine']} "
+                              f"({self.faults[-1]['cause']})")
+        get([self.engines[n].device_ids.remote() for n in new], self.timeout, f"replacement engines {new} to start",
+            EngineError)
+        info = get(self.coordinator.reconfigure.remote(self.engines), self.sync_timeout,
+                   "weight-sync re-plan with the replacement engines", WeightSyncError)
+        self.plan = info["plan"]
+        logger.info("replacement engine(s) %s up; weight sync re-planned: %s", new, self.plan)
+        return new
+
+    def _admit_replacements(self, sync_out: dict) -> dict[str, float]:
+        """Replacements whose first sync was verified take work; the fault records get their recovery time.
+        Returns `fault/recovery_s` (the longest, for the dashboard) when a replacement was admitted."""
+        names, self.unadmitted = [n for n in self.unadmitted if n in self.engines], []
+        if names and sync_out.get("sync/checksum_ok") != 1.0 and self.cfg.weight_sync.verify:
+            raise WeightSyncError(f"replacement engines {names}: first sync not verified")
+        for n in names:
+            params = sampling_params(self.sampling[n], self.cfg.algorithm.group_size)
+            self._rget(self.rollouts.add_engine.remote(n, self.engines[n], params), "rollout manager (add engine)")
+            for f in self.faults:
+                if f.get("replacement") == n:
+                    f.update(serving_t=time.time(), recovery_s=round(time.time() - f["t"], 3),
+                             first_sync_verified=bool(sync_out.get("sync/checksum_ok") == 1.0),
+                             first_sync_version=int(sync_out["sync/version"]))
+                    logger.info("engine %s replaced by %s: serving %.1fs after the fault, first sync v%d verified",
+                                f["engine"], n, f["recovery_s"], f["first_sync_version"])
+        done = [f["recovery_s"] for f in self.faults if f.get("replacement") in names]
+        return {"fault/recovery_s": max(done)} if done else {}
