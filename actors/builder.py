@@ -71,6 +71,7 @@ class Cluster(EngineRecovery):
         self.rollouts, self.final_ledger = None, {}
         self.faults: list[dict] = []        # engine faults and what was done about them (summary.json)
         self.unadmitted: list[str] = []     # replacements started, waiting for their first verified sync
+        self.ready: list[str] = []          # replacements synced and verified, to be given work at the next batch
         self.engine_restarts = 0
         self.timeline = Timeline()
         r = cfg.rollout
@@ -130,6 +131,8 @@ class Cluster(EngineRecovery):
                    kl_estimator=cfg.algorithm.kl_estimator, temperature=cfg.engines[0].sampling.temperature,
                    ppo_epochs=cfg.trainer.ppo_epochs, seed=cfg.experiment.seed,
                    micro_batch_size=cfg.trainer.micro_batch_size, gradient_checkpointing=cfg.trainer.gradient_checkpointing,
+                   max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch, packing=cfg.trainer.packing,
+                   attn=cfg.trainer.attn,
                    off_policy=cfg.algorithm.off_policy,
                    off_policy_kwargs={k: getattr(cfg.algorithm, k) for k in ("tis_cap", "mis_low", "mis_high", "decoupled_cap")})
         # Engines first: vLLM sizes its memory from what is free when it starts, and a colocated trainer
@@ -152,6 +155,7 @@ class Cluster(EngineRecovery):
         settings = dict(prompts_per_step=cfg.data.prompts_per_step, group_size=a.group_size, max_staleness=r.max_staleness,
                         dispatch_groups=r.dispatch_groups, filter_groups=r.filter_groups, filter_max_draws=r.filter_max_draws,
                         algorithm=a.name, norm_adv_by_std=a.norm_adv_by_std, pad_id=pad_id, num_ranks=cfg.trainer.num_ranks,
+                        balance_tokens=bool(cfg.trainer.max_tokens_per_micro_batch),
                         engine_stall_s=cfg.fault_tolerance.engine_stall_s,
                         health_interval_s=cfg.fault_tolerance.health_interval_s)
         params = {n: sampling_params(self.sampling[n], a.group_size) for n in self.engines}
@@ -212,6 +216,7 @@ class Cluster(EngineRecovery):
         may start groups that need it: with max_staleness 0, this step's) and waits for the step's groups. If every
         engine died meanwhile, replacements get the trainer's weights (still version step-1) and the wait goes on."""
         while True:
+            self.admit_ready()                # replacements verified since the last batch, now awake
             meta, refs = self._rget(self.rollouts.next_batch.remote(step, self.timeout), f"the batch of step {step}",
                                     self.timeout + 30)
             if "need_engines" not in meta:
@@ -280,7 +285,7 @@ class Cluster(EngineRecovery):
                              version, sorted(dead), str(err).splitlines()[0][:200])
                 self.replace_dead_engines()
                 out = self._sync_once(version, True)
-        recovered = self._admit_replacements(out)
+        recovered = self._synced_replacements(out)
         return {**out, **wake, **recovered, "fault/engines_live": float(len(self.engines)),
                 "fault/engine_restarts": float(self.engine_restarts)}
 

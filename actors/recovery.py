@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 class EngineRecovery:
     """Needs from the Cluster: cfg, engines, slots, sampling, colocation, coordinator, rollouts, timeout, plan,
-    faults, unadmitted, engine_restarts, _rget and _make_engine."""
+    faults, unadmitted, ready, engine_restarts, _rget and _make_engine."""
 
     def _engines_died(self, err: Exception, phase: str) -> bool:
         """After an error naming a dead actor: find the dead engines, tell the manager (it re-queues their groups)
@@ -55,7 +55,7 @@ class EngineRecovery:
     def replace_dead_engines(self) -> list[str]:
         """Start a replacement on the same placement bundle for every engine the manager declared dead (while
         fault_tolerance.max_engine_restarts lasts), and re-plan the weight sync with every live engine. Returns the
-        replacements' names; they take work only after a verified sync (`_admit_replacements`)."""
+        replacements' names; they take work only after a verified sync (`_synced_replacements`, `admit_ready`)."""
         dead = self._rget(self.rollouts.take_dead.remote(), "rollout manager (dead engines)")
         if not dead:
             return []
@@ -92,21 +92,30 @@ class EngineRecovery:
         logger.info("replacement engine(s) %s up; weight sync re-planned: %s", new, self.plan)
         return new
 
-    def _admit_replacements(self, sync_out: dict) -> dict[str, float]:
-        """Replacements whose first sync was verified take work; the fault records get their recovery time.
-        Returns `fault/recovery_s` (the longest, for the dashboard) when a replacement was admitted."""
+    def _synced_replacements(self, sync_out: dict) -> dict[str, float]:
+        """After a sync: replacements whose first sync was verified become ready to take work (`admit_ready`, at
+        the next batch: a colocated replacement must first get its KV cache in the hand-over to generate).
+        Returns `fault/recovery_s` (seconds from the fault to this verified sync, the longest) when there were any."""
         names, self.unadmitted = [n for n in self.unadmitted if n in self.engines], []
         if names and sync_out.get("sync/checksum_ok") != 1.0 and self.cfg.weight_sync.verify:
             raise WeightSyncError(f"replacement engines {names}: first sync not verified")
+        now, done = time.time(), []
+        for f in self.faults:
+            if f.get("replacement") in names:
+                f.update(recovery_s=round(now - f["t"], 3), first_sync_verified=bool(sync_out.get("sync/checksum_ok") == 1.0),
+                         first_sync_version=int(sync_out["sync/version"]))
+                done.append(f["recovery_s"])
+                logger.info("engine %s replaced by %s: synced and verified (v%d) %.1fs after the fault",
+                            f["engine"], f["replacement"], f["first_sync_version"], f["recovery_s"])
+        self.ready.extend(names)
+        return {"fault/recovery_s": max(done)} if done else {}
+
+    def admit_ready(self) -> None:
+        """Verified replacements take work from the rollout manager (called before asking for a batch)."""
+        names, self.ready = [n for n in self.ready if n in self.engines], []
         for n in names:
             params = sampling_params(self.sampling[n], self.cfg.algorithm.group_size)
             self._rget(self.rollouts.add_engine.remote(n, self.engines[n], params), "rollout manager (add engine)")
             for f in self.faults:
                 if f.get("replacement") == n:
-                    f.update(serving_t=time.time(), recovery_s=round(time.time() - f["t"], 3),
-                             first_sync_verified=bool(sync_out.get("sync/checksum_ok") == 1.0),
-                             first_sync_version=int(sync_out["sync/version"]))
-                    logger.info("engine %s replaced by %s: serving %.1fs after the fault, first sync v%d verified",
-                                f["engine"], n, f["recovery_s"], f["first_sync_version"])
-        done = [f["recovery_s"] for f in self.faults if f.get("replacement") in names]
-        return {"fault/recovery_s": max(done)} if done else {}
+                    f["serving_t"] = time.time()

@@ -106,7 +106,7 @@ class RolloutManager:
         s = self.s
         ready, dispatched = max(g.ready_at for g in groups), min(g.dispatched_at for g in groups)
         sb = assemble(groups, step - 1, s["max_staleness"], s["algorithm"], s["norm_adv_by_std"], s["pad_id"],
-                      s["num_ranks"], ready - dispatched)
+                      s["num_ranks"], ready - dispatched, balance_tokens=s.get("balance_tokens", False))
         led = self.sched.ledger()
         metrics = {**sb.metrics, "rollout/groups_filtered": float(filtered),
                    "perf/batch_ready_t": ready - self.timeline.t0,

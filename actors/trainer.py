@@ -127,16 +127,20 @@ class TrainerActor:
 
 
 def _average(results: list[dict]) -> dict[str, float]:
-    """Per-rank metrics -> one: max for *_max, sums for *_sum and token counts, means for the rest."""
+    """Per-rank metrics -> one: max for *_max, sums for *_sum, token counts and tokens/s (ranks run at the
+    same time), means for the rest; the ranks' `train/seq_tokens` also give `train/rank_imbalance`."""
     out: dict[str, float] = {}
     for key in results[0]:
         vals = [r[key] for r in results]
         if key.endswith("_max"):
             out[key] = max(vals)
-        elif key.endswith("_sum") or key.endswith("tokens"):
+        elif key.endswith("_sum") or key.endswith("tokens") or key.endswith("tokens_per_s"):
             out[key] = sum(vals)
         else:
             out[key] = sum(vals) / len(vals)
+    if "train/seq_tokens" in results[0]:
+        from rlhf_orch.trainer.packing import imbalance
+        out["train/rank_imbalance"] = imbalance([r["train/seq_tokens"] for r in results])
     return out
 
 

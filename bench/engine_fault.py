@@ -5,7 +5,7 @@
 
 Runs launch.py's whole loop in this process; a thread SIGKILLs the engine actor's process (found through the
 engine's own health report) once `--kill-step` steps are done. Prints the fault record from summary.json (seconds
-from death to the replacement serving, whether its first sync was verified) and the per-step times and tokens/s
+from death to the replacement's verified first sync and to its first work, whether that sync was verified) and the per-step times and tokens/s
 before, around and after the fault. `--copy-to DIR` copies metrics.jsonl, summary.json and timeline.jsonl there.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main() -> int:
           f"after step {info.get('after_step')}")
     for f in summary.get("faults", []):
         print(f"fault: {f['engine']} during {f['phase']} ({f['cause'][:100]}); {f.get('groups_requeued')} groups re-queued; "
-              f"replacement {f.get('replacement')}; serving {f.get('recovery_s')} s after the death was seen; first sync "
+              f"replacement {f.get('replacement')}; synced {f.get('recovery_s')} s after the death was seen; first sync "
               f"v{f.get('first_sync_version')} verified: {f.get('first_sync_verified')}")
     if info.get("t") and summary.get("faults"):
         print(f"seconds from SIGKILL to the replacement serving: {summary['faults'][0].get('serving_t', 0) - info['t']:.1f}")

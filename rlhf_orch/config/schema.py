@@ -81,6 +81,13 @@ class TrainerSection(_Section):
     micro_batch_size: int = Field(0, ge=0, description="Sequences per forward/backward on a rank; gradients accumulate "
                                   "over a rank's micro-batches into one optimizer step (0: the whole shard at once).")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory, ~30% slower).")
+    max_tokens_per_micro_batch: int = Field(0, ge=0, description="Token budget per forward/backward on a rank: micro-batches "
+                                            "are formed by prompt + response tokens (longest first) instead of by rows, and "
+                                            "a step's sequences are balanced over ranks by tokens (0: off, rows as before).")
+    packing: bool = Field(False, description="Run each token-budget micro-batch as one packed row without padding "
+                          "(position ids restart per sequence, block-diagonal causal attention); needs max_tokens_per_micro_batch.")
+    attn: Literal["auto", "sdpa", "flash_attention_2"] = Field("auto", description="Attention for packed micro-batches: "
+                                                                "flash_attention_2 (needs flash_attn), sdpa, or auto (flash_attention_2 on cuda where installed, else sdpa).")
     warm_start_steps: int = Field(0, ge=0, description="Supervised steps on the task's format before RL (0: none).")
     warm_start_real_answers: bool = Field(False, description="Warm start on real answers (True) or on random answers that teach only the format (False).")
     checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0: by time only, and at the end).")
@@ -256,6 +263,28 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
         p.append("trainer.offload: offloading moves ZeRO's optimizer partitions; set trainer.zero_stage to 1, 2 or 3")
     if cfg.trainer.bf16 and cfg.trainer.device == "cpu":
         p.append("trainer.bf16: bf16 training is for cuda here; set trainer.bf16: false or trainer.device: cuda")
+    p.extend(packing_problems(cfg))
+    return p
+
+
+def packing_problems(cfg: ExperimentConfig) -> list[str]:
+    """Token budget, packing and attention settings (checked before any actor starts)."""
+    t, p = cfg.trainer, []
+    longest = cfg.data.max_prompt_tokens + max(e.sampling.max_new_tokens for e in cfg.engines)
+    if t.max_tokens_per_micro_batch and t.max_tokens_per_micro_batch < longest:
+        p.append(f"trainer.max_tokens_per_micro_batch: {t.max_tokens_per_micro_batch} is below the longest allowed "
+                 f"sequence, data.max_prompt_tokens + the largest engines.*.sampling.max_new_tokens = {longest}; "
+                 f"set it to at least {longest} (or 0 for row micro-batches)")
+    if t.packing and not t.max_tokens_per_micro_batch:
+        p.append(f"trainer.packing: packed micro-batches are formed by a token budget; set trainer.max_tokens_per_micro_batch "
+                 f"(at least {longest}) or packing: false")
+    if t.attn == "flash_attention_2":
+        from rlhf_orch.trainer.packing import flash_attn_available
+        if t.device != "cuda":
+            p.append("trainer.attn: flash_attention_2 runs on cuda only; set trainer.attn: sdpa (or auto) or trainer.device: cuda")
+        elif not flash_attn_available():
+            p.append("trainer.attn: flash_attention_2 needs the flash_attn package, which is not importable here; install it "
+                     "(`pip install flash-attn --no-build-isolation`) or set trainer.attn: auto to fall back to sdpa")
     return p
 
 

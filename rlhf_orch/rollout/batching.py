@@ -4,7 +4,8 @@ and the step's flat `rollout/` and `staleness/` metrics.
 Groups are laid out in the order given (the scheduler gives draw order), each group's samples in engine
 order, and the group id of a sample is its group's position in the batch: with max_staleness 0 this is
 exactly the tensor the synchronous loop built. It checks the staleness bound on every token once more,
-because a wrong batch must never reach the trainer. No Ray, no model.
+because a wrong batch must never reach the trainer. With `balance_tokens` (set with a token budget) the
+shards are balanced by token count rather than contiguous (trainer.batch.shard_balanced). No Ray, no model.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from rlhf_orch.algorithms import compute_advantages
 from rlhf_orch.algorithms.off_policy import staleness_histogram
 from rlhf_orch.rollout.scheduler import Group
 from rlhf_orch.rollout_utils import check_versions, rollout_metrics
-from rlhf_orch.trainer.batch import build_train_batch, shard
+from rlhf_orch.trainer.batch import build_train_batch, shard, shard_balanced
 from rlhf_orch.types import Prompt, Sample, TrainBatch
 
 
@@ -30,7 +31,7 @@ class StepBatch:
 
 
 def assemble(groups: list[Group], trained_version: int, max_staleness: int, algorithm: str, norm_adv_by_std: bool,
-             pad_id: int, num_ranks: int, gen_seconds: float) -> StepBatch:
+             pad_id: int, num_ranks: int, gen_seconds: float, balance_tokens: bool = False) -> StepBatch:
     prompts: list[Prompt] = []
     samples: list[Sample] = []
     rewards: list[float] = []
@@ -50,7 +51,11 @@ def assemble(groups: list[Group], trained_version: int, max_staleness: int, algo
     metrics.update(staleness_metrics(samples, trained_version, max_staleness))
     metrics["rollout/groups"] = float(len(groups))
     first = samples[0]
-    return StepBatch(shards=shard(batch, num_ranks), tokens=float(batch.response_mask.sum()), metrics=metrics,
+    if balance_tokens:
+        shards, _ = shard_balanced(batch, num_ranks)   # the trainer ranks report the resulting imbalance
+    else:
+        shards = shard(batch, num_ranks)
+    return StepBatch(shards=shards, tokens=float(batch.response_mask.sum()), metrics=metrics,
                      example=(prompts[first.prompt_index].text, first.text, rewards[0]),
                      sources=[list(p.source) for p in prompts])
 

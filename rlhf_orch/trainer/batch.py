@@ -1,7 +1,8 @@
 """Turn samples into padded `TrainBatch` tensors, and split a batch over data-parallel ranks.
 
-Right padding, the token convention of rlhf_orch.types. The split is contiguous and as even as
-possible; each rank also receives the global number of response tokens so the token-mean loss does
+Right padding, the token convention of rlhf_orch.types. The default split is contiguous and as even as
+possible in rows; `shard_balanced` (used with a token budget) balances the ranks' token counts instead,
+moving whole rows so every per-sample tensor stays attached to its row. Each rank also receives the global number of response tokens so the token-mean loss does
 not depend on how samples are split. Pure tensor code: no model, no distributed calls.
 """
 from __future__ import annotations
@@ -49,3 +50,11 @@ def shard_bounds(n: int, world: int) -> list[tuple[int, int]]:
 
 def shard(batch: TrainBatch, world: int) -> list[TrainBatch]:
     return [batch.select(slice(a, b)) for a, b in shard_bounds(len(batch), world)]
+
+
+def shard_balanced(batch: TrainBatch, world: int) -> tuple[list[TrainBatch], float]:
+    """Shards balanced by token count (see packing.balance_rows), and their imbalance (max - mean) / mean."""
+    from rlhf_orch.trainer.packing import balance_rows, imbalance, seq_lengths
+    lengths = seq_lengths(batch)
+    ranks = balance_rows(lengths, world)
+    return [batch.select(rows) for rows in ranks], imbalance([float(sum(lengths[i] for i in r)) for r in ranks])

@@ -9,6 +9,11 @@ sets the rendezvous environment and calls these methods on every rank in lockste
 Loss scaling: every rank divides its summed token loss by the *global* number of response tokens and
 multiplies by the world size, because DeepSpeed averages gradients over ranks; the result equals the
 token-mean over the whole batch however samples are split.
+
+Token budgets (`max_tokens_per_micro_batch`): a rank's shard is cut into micro-batches by token count
+(packing.micro_batch_plan) instead of by rows; with `packing` each micro-batch runs as one packed row
+without padding (packing.packed_logprobs). Both leave the loss scaling above unchanged, so gradient
+accumulation over micro-batches stays exact.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import contextlib
 import gc
 import logging
 import os
+import time
 from typing import Iterator
 
 import torch
@@ -23,6 +29,7 @@ import torch
 from rlhf_orch.algorithms import aggregate_token_loss, kl_divergence, masked_mean, policy_loss
 from rlhf_orch.algorithms.off_policy import off_policy_weights
 from rlhf_orch.errors import TrainerError
+from rlhf_orch.trainer import packing as pk
 from rlhf_orch.types import ParamSpec, TrainBatch, dtype_from_name
 
 logger = logging.getLogger(__name__)
@@ -52,7 +59,8 @@ class DeepSpeedTrainer:
                  clip_eps: float = 0.2, clip_eps_high: float | None = None, kl_coef: float = 0.0,
                  kl_estimator: str = "k3", temperature: float = 1.0, ppo_epochs: int = 1, seed: int = 0,
                  micro_batch_size: int = 0, gradient_checkpointing: bool = False, off_policy: str = "none",
-                 off_policy_kwargs: dict | None = None):
+                 off_policy_kwargs: dict | None = None, max_tokens_per_micro_batch: int = 0,
+                 packing: bool = False, attn: str = "auto"):
         import deepspeed
         from transformers import AutoModelForCausalLM
 
@@ -62,6 +70,11 @@ class DeepSpeedTrainer:
         self.kl_coef, self.kl_estimator = kl_coef, kl_estimator
         self.temperature, self.ppo_epochs = temperature, ppo_epochs
         self.micro_batch_size = micro_batch_size
+        self.budget, self.packing = max_tokens_per_micro_batch, packing
+        if packing and not self.budget:
+            raise TrainerError("trainer.packing needs trainer.max_tokens_per_micro_batch > 0")
+        # Resolved only when packing: the default load (and so the off path) stays exactly as before.
+        self.attn = pk.resolve_attn(attn, device) if packing else None
         self.off_policy, self.off_policy_kwargs = off_policy, dict(off_policy_kwargs or {})
         torch.manual_seed(seed)
         backend = "nccl" if device == "cuda" else "gloo"
@@ -92,12 +105,13 @@ class DeepSpeedTrainer:
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
-        if micro_batch_size:
+        if micro_batch_size or self.budget:
             # A rank's shard splits into however many micro-batches it needs (shards differ by a row), so
             # DeepSpeed must not count micro-steps: backward() only accumulates, step() reduces and updates.
             ds_config["managed_gradient_accumulation"] = False
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            extra = {"attn_implementation": self.attn} if self.attn else {}
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **extra)
             if gradient_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -121,12 +135,30 @@ class DeepSpeedTrainer:
         tok = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
         return torch.nn.functional.pad(tok, (1, 0))   # position 0 predicts nothing
 
+    def _mb_logprobs(self, module, mb: TrainBatch) -> torch.Tensor:
+        """One micro-batch's [b, w] logprobs: one packed row with `packing`, the padded forward otherwise."""
+        if self.packing:
+            return pk.packed_logprobs(module, mb, self.temperature, self.attn, self.device)
+        return self._logprobs(module, mb)
+
+    def _shard_logprobs(self, module, batch: TrainBatch) -> torch.Tensor:
+        """[B, T] logprobs of a whole shard (callers hold no_grad). With a token budget it goes one
+        micro-batch at a time, so a no-grad pass never needs more memory than a training micro-batch."""
+        if not self.budget:
+            return self._logprobs(module, batch)
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
+        for rows in self._micro_batches(batch):
+            mb = batch.select(rows)
+            width = max(int(mb.attention_mask.sum(1).max()), 1)
+            out[rows, :width] = self._mb_logprobs(module, mb.trim(width))
+        return out
+
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, T] logprobs of `batch` under the current policy (no grad), on CPU."""
         self._need_states("logprobs")
         self.engine.module.eval()
-        return self._logprobs(self.engine.module, batch).cpu()
+        return self._shard_logprobs(self.engine.module, batch).cpu()
 
     def snapshot_reference(self, path: str | None = None, reuse: bool = False) -> None:
         """Freeze the KL reference: the policy as RL starts (call on every rank together). Built from the
@@ -168,28 +200,36 @@ class DeepSpeedTrainer:
                 raise TrainerError(f"trainer rank {self.rank}: algorithm.kl_coef > 0 but no KL reference was taken; "
                                    "call snapshot_reference() before the first train step")
             with torch.no_grad():
-                ref = self._logprobs(self.ref_model, batch)
+                ref = self._shard_logprobs(self.ref_model, batch)
         if self.ppo_epochs > 1 and batch.old_logprobs is None:
             batch.old_logprobs = self.logprobs(batch)   # every epoch clips against the policy before the update
         old = batch.old_logprobs.to(self.device) if batch.old_logprobs is not None else None
         eng = batch.engine_logprobs.to(self.device)
         metrics: dict[str, float] = {}
         self.engine.module.train()
+        start = time.perf_counter()
+        computed = real = 0.0   # positions the forwards computed, and the real tokens among them
+        n_micro = 0
         for epoch in range(self.ppo_epochs):
             parts: list[dict[str, float]] = []
-            olds: list[torch.Tensor] = []
-            for rows in self._micro_batches(len(batch)):
+            first_old = torch.zeros_like(mask) if old is None else None
+            for rows in self._micro_batches(batch):
                 mb = batch.select(rows)
                 # Micro-batches drop the right padding beyond their own longest row (a long-tailed batch is
                 # mostly padding otherwise); the whole-shard path keeps the batch's width, as before.
-                width = int(mb.attention_mask.sum(1).max()) if self.micro_batch_size else mb.input_ids.shape[1]
+                trims = bool(self.micro_batch_size or self.budget)
+                width = int(mb.attention_mask.sum(1).max()) if trims else mb.input_ids.shape[1]
                 cols = slice(0, max(width, 1))
                 mb = mb.trim(cols.stop)
                 mmask, madv = mask[rows, cols], adv[rows]
-                lp = self._logprobs(self.engine.module, mb)
+                lp = self._mb_logprobs(self.engine.module, mb)
+                mb_real = float(mb.attention_mask.sum())
+                real += mb_real
+                computed += mb_real if self.packing else float(mb.input_ids.numel())
+                n_micro += 1
                 if old is None:
                     old_mb = lp.detach()   # on-policy first pass: ratio is exactly 1 (saves a forward)
-                    olds.append(torch.nn.functional.pad(old_mb, (0, mask.shape[1] - old_mb.shape[1])))
+                    first_old[rows, cols] = old_mb
                 else:
                     old_mb = old[rows, cols]
                 per_tok, m = policy_loss(lp, old_mb, madv, mmask, self.clip_eps, self.clip_eps_high)
@@ -204,16 +244,16 @@ class DeepSpeedTrainer:
                 # Each micro-batch's token sum over the *global* token count: summing them is the token mean.
                 loss = aggregate_token_loss(per_tok, mmask, num_tokens_global) * self.world_size
                 self.engine.backward(loss, scale_wrt_gas=False)
-                if not self.micro_batch_size:
+                if not (self.micro_batch_size or self.budget):
                     self.engine.step()
                 # loss = local sum / global tokens * world; the group averages ranks, giving the global mean
                 m["loss"] = float(loss.detach())
                 m["_tokens"] = float(mmask.sum())
                 parts.append(m)
-            if self.micro_batch_size:
+            if self.micro_batch_size or self.budget:
                 self.engine.step()
             if old is None:
-                old = torch.cat(olds)
+                old = first_old
             gn = self.engine.get_global_grad_norm()
             metrics = _combine(parts)
             metrics["grad_norm"] = float(gn) if gn is not None else float("nan")
@@ -221,10 +261,20 @@ class DeepSpeedTrainer:
         metrics["logprob_diff_sum"] = float(diff.sum())
         metrics["logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
         metrics["tokens"] = float(mask.sum())
+        metrics["padding_frac"] = (computed - real) / computed if computed else 0.0
+        metrics["tokens_per_s"] = real / max(time.perf_counter() - start, 1e-9)
+        metrics["micro_batches"] = n_micro / self.ppo_epochs
+        # This rank's prompt + response tokens; actors/trainer.py turns the ranks' values into rank_imbalance.
+        metrics["seq_tokens"] = float(batch.attention_mask.sum())
         self.steps += 1
         return {f"train/{k}": v for k, v in metrics.items()}
 
-    def _micro_batches(self, n: int) -> list[slice]:
+    def _micro_batches(self, batch: TrainBatch) -> list[slice] | list[list[int]]:
+        """Row selections of a shard: token-budget groups (packing.micro_batch_plan) when a budget is set,
+        else contiguous slices of `micro_batch_size` rows (the whole shard when 0)."""
+        n = len(batch)
+        if self.budget and n:
+            return pk.micro_batch_plan(pk.seq_lengths(batch), self.budget, self.packing)
         size = self.micro_batch_size or max(n, 1)
         return [slice(i, min(i + size, n)) for i in range(0, max(n, 1), size)]
 

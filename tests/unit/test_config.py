@@ -140,3 +140,29 @@ def test_sleeping_colocated_engine_cannot_run_ahead(tmp_path):
                         "engines:\n  - {kind: hf, placement: colocated, sleep_level: 2}\n")
     (msg,) = problems(p)
     assert msg.startswith("engines.0.sleep_level: a sleeping colocated engine cannot generate while the trainer trains")
+
+
+def test_token_budget_below_the_longest_sequence(tmp_path):
+    p = write(tmp_path, "data: {max_prompt_tokens: 20}\nengines: [{kind: hf, sampling: {max_new_tokens: 8}}, "
+                        "{kind: hf, sampling: {max_new_tokens: 30}}]\n")
+    (msg,) = problems(p, ["trainer.max_tokens_per_micro_batch=40"])
+    assert msg.startswith("trainer.max_tokens_per_micro_batch: 40 is below the longest allowed sequence")
+    assert "at least 50" in msg
+    load_config(p, ["trainer.max_tokens_per_micro_batch=50", "trainer.packing=true"])
+
+
+def test_packing_needs_a_token_budget(tmp_path):
+    p = write(tmp_path, "engines: [{kind: hf}]\n")
+    (msg,) = problems(p, ["trainer.packing=true"])
+    assert msg.startswith("trainer.packing:") and "trainer.max_tokens_per_micro_batch" in msg
+
+
+def test_flash_attention_requested_but_unavailable(tmp_path):
+    from rlhf_orch.trainer.packing import flash_attn_available
+    p = write(tmp_path, "engines: [{kind: hf}]\n")
+    (msg,) = problems(p, ["trainer.attn=flash_attention_2"])   # cpu trainer
+    assert msg.startswith("trainer.attn: flash_attention_2 runs on cuda only")
+    if not flash_attn_available():
+        (msg,) = problems(p, ["trainer.attn=flash_attention_2", "trainer.device=cuda"])
+        assert msg.startswith("trainer.attn: flash_attention_2 needs the flash_attn package") and "pip install" in msg
+    assert load_config(p, ["trainer.attn=auto"]).trainer.attn == "auto"
