@@ -143,6 +143,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
             records.append({"step": step, **m})
             cluster.log_rollouts(step, meta)
             rollout_state = meta["state"]   # the data cursor and untrained draws after this step
+            cluster.step_boundary()         # the engines' RNGs as this step leaves them (what its checkpoint holds)
             sinks.write(step, m)
             bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}", kl=f"{m.get('train/kl', 0.0):.4f}",
                             step_s=f"{m['perf/step_s']:.2f}", sync_s=f"{m['sync/total_s']:.3f}")

@@ -72,6 +72,8 @@ class Cluster(EngineRecovery):
         self.faults: list[dict] = []        # engine faults and what was done about them (summary.json)
         self.unadmitted: list[str] = []     # replacements started, waiting for their first verified sync
         self.ready: list[str] = []          # replacements synced and verified, to be given work at the next batch
+        self.boundary_rngs: dict | None = None   # engines' sampling RNGs after the last completed step (step_boundary)
+        self._rng_capable = True
         self.engine_restarts = 0
         self.timeline = Timeline()
         r = cfg.rollout
@@ -302,18 +304,32 @@ class Cluster(EngineRecovery):
         with self.timeline.span("trainer", "checkpoint"):
             self._write_checkpoint(ckpt, tag, step, rollout_state)
 
+    def _engine_rngs(self) -> dict:
+        """{slot: sampling RNG state} of every live engine that can save one (a replacement restores its slot)."""
+        rngs, refs = {}, {n: e.rng_state.remote() for n, e in self.engines.items()}   # one round trip for all
+        for n, ref in refs.items():
+            try:   # a dead engine must not cost the trainer's checkpoint; it restarts with a fresh RNG
+                rngs[self.slots[n]["base"]] = get(ref, self.timeout, f"engine {n} RNG state", EngineError)
+            except EngineError as err:
+                logger.warning("no sampling RNG state from engine %s: %s", n, str(err).splitlines()[0])
+        return rngs
+
+    def step_boundary(self) -> None:
+        """After a completed step (max_staleness 0): remember the engines' sampling RNGs as they are now, before the
+        next step generates, so a checkpoint of this step written later (after a failure mid-next-step) resumes
+        exactly. Skipped when no engine can save its RNG (vLLM, SGLang) or engines generate ahead (k >= 1)."""
+        if self.cfg.rollout.max_staleness or not self._rng_capable:
+            return
+        self.boundary_rngs = self._engine_rngs()
+        self._rng_capable = any(v is not None for v in self.boundary_rngs.values())
+
     def _write_checkpoint(self, ckpt: Path, tag: str, step: int, rollout_state: dict) -> None:
         stage = staging_dir(ckpt, tag)
         self.trainers.call("save_checkpoint", str(ckpt), stage.name, {"step": step})
-        rngs, missing = {}, []
-        for n, e in self.engines.items():
-            slot = self.slots[n]["base"]   # a replacement's RNG restores its slot's engine
-            try:   # a dead engine must not cost the trainer's checkpoint; it restarts with a fresh RNG
-                rngs[slot] = get(e.rng_state.remote(), self.timeout, f"engine {n} RNG state", EngineError)
-            except EngineError as err:
-                logger.warning("checkpoint %s without engine %s's sampling RNG: %s", tag, n, str(err).splitlines()[0])
-            if rngs.get(slot) is None:
-                missing.append(slot)
+        rngs = self.boundary_rngs if self.boundary_rngs is not None else self._engine_rngs()
+        missing = sorted(slot for slot in {self.slots[n]["base"] for n in self.engines} if rngs.get(slot) is None)
+        for slot in missing:
+            logger.warning("checkpoint %s without engine %s's sampling RNG: resuming from it is not bit-exact", tag, slot)
         # The data cursor is after every draw; draws not yet trained (max_staleness >= 1) are re-queued on resume.
         write_rl_state(stage, {"step": step, "weight_version": step, "data": rollout_state["data"],
                                "rollout": {"pending": rollout_state["pending"], "ledger": rollout_state["ledger"]},

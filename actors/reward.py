@@ -22,6 +22,11 @@ class RewardActor:
         self.path = function
         self.fn = load_reward_fn(function)
 
+    def health(self) -> dict:
+        """A cheap liveness probe: this worker's process id."""
+        import os
+        return {"pid": os.getpid()}
+
     def score(self, items: list[tuple[str, dict]]) -> list[float]:
         out = []
         for response, row in items:

@@ -28,7 +28,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.common import setup_process
-from rlhf_orch.errors import EngineError, RewardError, RLHFOrchError, RolloutError
+from rlhf_orch.errors import ACTOR_DIED, EngineError, RewardError, RLHFOrchError, RolloutError
 from rlhf_orch.metrics.timeline import Timeline
 from rlhf_orch.rollout import GroupScheduler
 from rlhf_orch.rollout.batching import assemble
@@ -223,6 +223,10 @@ class RolloutManager:
         try:
             rewards = await self.rewarders[i].score.remote(items)
         except Exception as e:
+            if isinstance(e, RayActorError):   # launch.py restarts the run from its checkpoint for this one
+                await self._fail(RewardError(f"reward worker {i} failed while scoring: {ACTOR_DIED} "
+                                             f"({str(e).splitlines()[0][:300]})"))
+                return
             cause = getattr(e, "cause", None) or e
             await self._fail(cause if isinstance(cause, RLHFOrchError) else
                              RewardError(f"reward worker {i} failed: {type(cause).__name__}: {cause}"))

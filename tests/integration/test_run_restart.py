@@ -1,5 +1,5 @@
-"""A dead trainer rank restarts the run from its latest checkpoint, by itself, and the run ends exactly where an
-uninterrupted one does: SIGKILL trainer rank 1 at step ~12 of 20 (checkpoints every 5 steps); the run restarts
+"""A dead trainer rank or reward worker restarts the run from its latest checkpoint, by itself, and the run ends
+exactly where an uninterrupted one does: SIGKILL trainer rank 1 (or the reward worker) at step ~12 of 20 (checkpoints every 5 steps); the run restarts
 from step 10 and its 20 steps match the synchronous-loop baseline recorded before the rollout manager existed
 (tests/data/tiny_cpu_20steps_baseline.json) to 1e-6; summary.json lists the restart."""
 import json
@@ -19,10 +19,11 @@ pytestmark = pytest.mark.integration
 QUIET = ["ray.num_cpus=2", "metrics.tensorboard=false", "metrics.ray_metrics=false", "metrics.plots=false"]
 
 
-def test_killed_trainer_rank_restarts_the_run_from_its_checkpoint_exactly(tmp_path):
+@pytest.mark.parametrize("victim", ["-trainer-1", "-reward-0"])
+def test_killed_trainer_rank_or_reward_worker_restarts_the_run_from_its_checkpoint_exactly(tmp_path, victim):
     base = json.loads((ROOT / "tests/data/tiny_cpu_20steps_baseline.json").read_text())
     info = {}
-    killer = _fault_at(tmp_path / "restart", 12, signal.SIGKILL, "-trainer-1", info)
+    killer = _fault_at(tmp_path / "restart", 12, signal.SIGKILL, victim, info)
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                       "experiment.name=restart", "experiment.steps=20", "trainer.checkpoint_every=5", *QUIET])
     killer.join(timeout=5)
@@ -35,7 +36,7 @@ def test_killed_trainer_rank_restarts_the_run_from_its_checkpoint_exactly(tmp_pa
             assert abs(want[key] - got[key]) <= 1e-6, (want["step"], key, want[key], got[key])
     summary = json.loads((run / "summary.json").read_text())
     [restart] = summary["run_restarts"]
-    assert "died" in restart["error"] and summary["resumed_from"] in (10, 15)
+    assert "died" in restart["error"] and summary["resumed_from"] >= 10   # the latest good checkpoint
     assert summary["status"] == "finished" and summary["ledger"]["balanced"] == 1
     trained = [tuple(s) for l in (run / "rollouts.jsonl").read_text().splitlines() for s in json.loads(l)["sources"]]
     assert len(trained) == 20 * 16 and len(set(trained)) == len(trained)
