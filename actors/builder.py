@@ -278,15 +278,9 @@ class Cluster(EngineRecovery):
             try:
                 out = self._sync_once(version, resync)
             except WeightSyncError as err:
-                dead = self._probe_engines(f"weight sync v{version}")
-                if not dead:
+                if not self._engines_died(err, f"weight sync v{version}"):
                     raise
-                for name, cause in dead.items():
-                    self._rget(self.rollouts.engine_died.remote(name, cause, f"weight sync v{version}"), "rollout manager")
-                logger.error("weight sync v%d failed because engine(s) %s died (%s); replacing and syncing again",
-                             version, sorted(dead), str(err).splitlines()[0][:200])
-                self.replace_dead_engines()
-                out = self._sync_once(version, True)
+                out = self._sync_once(version, True)   # once more, with the replacements
         recovered = self._synced_replacements(out)
         return {**out, **wake, **recovered, "fault/engines_live": float(len(self.engines)),
                 "fault/engine_restarts": float(self.engine_restarts)}

@@ -18,7 +18,7 @@ import ray
 
 from actors.common import get
 from actors.rollout import sampling_params
-from rlhf_orch.errors import EngineError, WeightSyncError, is_actor_death
+from rlhf_orch.errors import EngineError, WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +28,9 @@ class EngineRecovery:
     faults, unadmitted, ready, engine_restarts, _rget and _make_engine."""
 
     def _engines_died(self, err: Exception, phase: str) -> bool:
-        """After an error naming a dead actor: find the dead engines, tell the manager (it re-queues their groups)
-        and start replacements. False if no engine is dead (the error is someone else's)."""
-        if not is_actor_death(err):
-            return False
+        """After a failed hand-over or sync: find the dead engines (a short health check each), tell the manager (it
+        re-queues their groups) and start replacements. False if no engine is dead (the error is someone else's).
+        The probe, not the error's text, decides: a sync with a dead peer fails with a transport error."""
         dead = self._probe_engines(phase)
         if not dead:
             return False
