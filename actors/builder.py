@@ -134,7 +134,8 @@ class Cluster(EngineRecovery):
                    ppo_epochs=cfg.trainer.ppo_epochs, seed=cfg.experiment.seed,
                    micro_batch_size=cfg.trainer.micro_batch_size, gradient_checkpointing=cfg.trainer.gradient_checkpointing,
                    max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch, packing=cfg.trainer.packing,
-                   attn=cfg.trainer.attn,
+                   attn=cfg.trainer.attn, logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens,
+                   peak_tflops=cfg.trainer.peak_tflops,
                    off_policy=cfg.algorithm.off_policy,
                    off_policy_kwargs={k: getattr(cfg.algorithm, k) for k in ("tis_cap", "mis_low", "mis_high", "decoupled_cap")})
         # Engines first: vLLM sizes its memory from what is free when it starts, and a colocated trainer

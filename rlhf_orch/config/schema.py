@@ -86,8 +86,15 @@ class TrainerSection(_Section):
                                             "a step's sequences are balanced over ranks by tokens (0: off, rows as before).")
     packing: bool = Field(False, description="Run each token-budget micro-batch as one packed row without padding "
                           "(position ids restart per sequence, block-diagonal causal attention); needs max_tokens_per_micro_batch.")
-    attn: Literal["auto", "sdpa", "flash_attention_2"] = Field("auto", description="Attention for packed micro-batches: "
-                                                                "flash_attention_2 (needs flash_attn), sdpa, or auto (flash_attention_2 on cuda where installed, else sdpa).")
+    attn: Literal["auto", "varlen", "sdpa", "flash_attention_2"] = Field(
+        "auto", description="Attention for packed micro-batches: varlen (torch's flash varlen kernel on cuda, one SDPA call "
+        "per sequence on cpu), flash_attention_2 (needs flash_attn), sdpa (a block-diagonal mask, O(L^2) memory), or auto "
+        "(flash_attention_2 where installed, else varlen).")
+    logprob_chunk_tokens: int = Field(0, ge=0, description="Run the LM head, log-softmax and gather on this many positions "
+                                      "at a time under checkpointing, so a micro-batch never holds its full-vocabulary logits "
+                                      "(0: the whole micro-batch at once, as before). 4096 suits a 150k vocabulary.")
+    peak_tflops: float = Field(0.0, ge=0, description="The device's dense peak TFLOP/s for train/mfu (0: from a table of "
+                               "known GPUs for the training dtype; no MFU on unknown devices or cpu).")
     warm_start_steps: int = Field(0, ge=0, description="Supervised steps on the task's format before RL (0: none).")
     warm_start_real_answers: bool = Field(False, description="Warm start on real answers (True) or on random answers that teach only the format (False).")
     checkpoint_every: int = Field(0, ge=0, description="Save a checkpoint every N steps (0: by time only, and at the end).")

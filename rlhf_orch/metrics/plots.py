@@ -1,7 +1,8 @@
 """PNG charts of a finished (or running) training run from its metrics records.
 
 `plot_run` takes the records of `read_jsonl(metrics.jsonl)` and writes reward, phase-time and
-weight-sync charts. Records missing a key (or holding None/NaN for it) are skipped for that series
+weight-sync charts. The phase-time chart gets a second panel for the trainer when the records have its
+throughput metrics: training tokens/s, and MFU, padding fraction and rank imbalance as fractions. Records missing a key (or holding None/NaN for it) are skipped for that series
 only, so partial and resumed runs plot fine.
 
 What it deliberately does not do: read files (callers pass records), show windows, or import
@@ -96,8 +97,14 @@ def _plot_phase_times(plt, pairs, out_dir: Path) -> Path | None:
     if not rows and not step_xs:
         return None
     xs = [step for step, _ in rows]
-    fig, ax = plt.subplots(figsize=(10, 5))
+    trainer = any(k in rec for _, rec in pairs for k in _TRAINER_KEYS)
+    if trainer:
+        fig, (ax, tax) = plt.subplots(2, 1, figsize=(10, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    else:
+        fig, ax = plt.subplots(figsize=(10, 5))
     try:
+        if trainer:
+            _trainer_panel(tax, pairs)
         bottoms = [0.0] * len(rows)
         heights_by_key = {k: [(_finite(rec.get(k)) or 0.0) for _, rec in rows] for k in keys}
         labels = [k[len("perf/"):-len("_s")] for k in keys]
@@ -114,7 +121,8 @@ def _plot_phase_times(plt, pairs, out_dir: Path) -> Path | None:
             ax.plot(step_xs, step_ys, color="black", linewidth=1.5, marker="." if len(step_xs) <= _MAX_BARS else None,
                     label="step (total)")
         ax.set_title("Time per phase")
-        ax.set_xlabel("step")
+        if not trainer:
+            ax.set_xlabel("step")
         ax.set_ylabel("seconds")
         ax.grid(alpha=0.3, axis="y")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -123,6 +131,29 @@ def _plot_phase_times(plt, pairs, out_dir: Path) -> Path | None:
         return path
     finally:
         plt.close(fig)
+
+
+_TRAINER_KEYS = ("train/tokens_per_s", "train/mfu", "train/padding_frac", "train/rank_imbalance")
+
+
+def _trainer_panel(ax, pairs) -> None:
+    """Training tokens/s (left axis) and the fractions MFU, padding, rank imbalance (right axis)."""
+    handles = []
+    xs, ys = _series(pairs, "train/tokens_per_s")
+    if xs:
+        handles += ax.plot(xs, ys, color="C0", marker=".", label="train tokens/s")
+    ax.set_ylabel("tokens/s", color="C0")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax2 = ax.twinx()
+    for i, key in enumerate(_TRAINER_KEYS[1:]):
+        fx, fy = _series(pairs, key)
+        if fx:
+            handles += ax2.plot(fx, fy, color=f"C{i + 1}", marker=".", label=key[len("train/"):])
+    ax2.set_ylabel("fraction")
+    ax2.set_ylim(bottom=0)
+    ax.set_title("Trainer throughput")
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.08, 1.0))
 
 
 def _sync_seconds(pairs) -> tuple[list[int], list[float], str]:

@@ -13,7 +13,11 @@ token-mean over the whole batch however samples are split.
 Token budgets (`max_tokens_per_micro_batch`): a rank's shard is cut into micro-batches by token count
 (packing.micro_batch_plan) instead of by rows; with `packing` each micro-batch runs as one packed row
 without padding (packing.packed_logprobs). Both leave the loss scaling above unchanged, so gradient
-accumulation over micro-batches stays exact.
+accumulation over micro-batches stays exact. `logprob_chunk_tokens` runs the LM head a chunk of positions
+at a time (logprob.py) so the full-vocabulary logits of a micro-batch are never all in memory.
+
+Throughput metrics per rank: tokens/s over the train loop, and MFU (metrics/flops.py: real tokens'
+model FLOPs over the device's peak) where the device's peak is known.
 """
 from __future__ import annotations
 
@@ -29,7 +33,9 @@ import torch
 from rlhf_orch.algorithms import aggregate_token_loss, kl_divergence, masked_mean, policy_loss
 from rlhf_orch.algorithms.off_policy import off_policy_weights
 from rlhf_orch.errors import TrainerError
+from rlhf_orch.metrics.flops import ModelFlops, device_peak_flops
 from rlhf_orch.trainer import packing as pk
+from rlhf_orch.trainer.logprob import model_logprobs
 from rlhf_orch.types import ParamSpec, TrainBatch, dtype_from_name
 
 logger = logging.getLogger(__name__)
@@ -60,7 +66,7 @@ class DeepSpeedTrainer:
                  kl_estimator: str = "k3", temperature: float = 1.0, ppo_epochs: int = 1, seed: int = 0,
                  micro_batch_size: int = 0, gradient_checkpointing: bool = False, off_policy: str = "none",
                  off_policy_kwargs: dict | None = None, max_tokens_per_micro_batch: int = 0,
-                 packing: bool = False, attn: str = "auto"):
+                 packing: bool = False, attn: str = "auto", logprob_chunk_tokens: int = 0, peak_tflops: float = 0.0):
         import deepspeed
         from transformers import AutoModelForCausalLM
 
@@ -71,6 +77,7 @@ class DeepSpeedTrainer:
         self.temperature, self.ppo_epochs = temperature, ppo_epochs
         self.micro_batch_size = micro_batch_size
         self.budget, self.packing = max_tokens_per_micro_batch, packing
+        self.chunk = logprob_chunk_tokens
         if packing and not self.budget:
             raise TrainerError("trainer.packing needs trainer.max_tokens_per_micro_batch > 0")
         # Resolved only when packing: the default load (and so the off path) stays exactly as before.
@@ -118,6 +125,8 @@ class DeepSpeedTrainer:
                                                         config=ds_config)
         except Exception as e:
             raise TrainerError(f"trainer rank {rank}: DeepSpeed initialisation failed: {type(e).__name__}: {e}") from e
+        self.flops = ModelFlops(self.engine.module)
+        self.peak = device_peak_flops(self.device, bf16, peak_tflops)
         self.ref_model = None
         self._ref_host: list[torch.Tensor] | None = None   # pinned copy of the frozen reference (CUDA)
         self.steps = 0
@@ -127,30 +136,30 @@ class DeepSpeedTrainer:
         gc.freeze()
 
     # ---- forward ----------------------------------------------------------------------------------
-    def _logprobs(self, module, batch: TrainBatch) -> torch.Tensor:
+    def _logprobs(self, module, batch: TrainBatch, with_entropy: bool = False):
+        """([B, T] logprobs, [B, T] entropies or None) of a right-padded batch; position 0 predicts nothing."""
         ids = batch.input_ids.to(self.device)
         attn = batch.attention_mask.to(self.device)
-        logits = module(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
-        logp = torch.log_softmax(logits / self.temperature, dim=-1)
-        tok = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        return torch.nn.functional.pad(tok, (1, 0))   # position 0 predicts nothing
+        tok, ent = model_logprobs(module, ids, self.temperature, self.chunk, with_entropy, attention_mask=attn)
+        pad = torch.nn.functional.pad
+        return pad(tok, (1, 0)), (pad(ent, (1, 0)) if ent is not None else None)
 
-    def _mb_logprobs(self, module, mb: TrainBatch) -> torch.Tensor:
-        """One micro-batch's [b, w] logprobs: one packed row with `packing`, the padded forward otherwise."""
+    def _mb_logprobs(self, module, mb: TrainBatch, with_entropy: bool = False):
+        """One micro-batch's [b, w] logprobs (and entropies): one packed row with `packing`, the padded forward otherwise."""
         if self.packing:
-            return pk.packed_logprobs(module, mb, self.temperature, self.attn, self.device)
-        return self._logprobs(module, mb)
+            return pk.packed_logprobs(module, mb, self.temperature, self.attn, self.device, self.chunk, with_entropy)
+        return self._logprobs(module, mb, with_entropy)
 
     def _shard_logprobs(self, module, batch: TrainBatch) -> torch.Tensor:
         """[B, T] logprobs of a whole shard (callers hold no_grad). With a token budget it goes one
         micro-batch at a time, so a no-grad pass never needs more memory than a training micro-batch."""
         if not self.budget:
-            return self._logprobs(module, batch)
+            return self._logprobs(module, batch)[0]
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         for rows in self._micro_batches(batch):
             mb = batch.select(rows)
             width = max(int(mb.attention_mask.sum(1).max()), 1)
-            out[rows, :width] = self._mb_logprobs(module, mb.trim(width))
+            out[rows, :width] = self._mb_logprobs(module, mb.trim(width))[0]
         return out
 
     @torch.no_grad()
@@ -208,7 +217,7 @@ class DeepSpeedTrainer:
         metrics: dict[str, float] = {}
         self.engine.module.train()
         start = time.perf_counter()
-        computed = real = 0.0   # positions the forwards computed, and the real tokens among them
+        computed = real = flops = 0.0   # positions the forwards computed, the real tokens among them, model FLOPs
         n_micro = 0
         for epoch in range(self.ppo_epochs):
             parts: list[dict[str, float]] = []
@@ -222,7 +231,8 @@ class DeepSpeedTrainer:
                 cols = slice(0, max(width, 1))
                 mb = mb.trim(cols.stop)
                 mmask, madv = mask[rows, cols], adv[rows]
-                lp = self._mb_logprobs(self.engine.module, mb)
+                lp, ent = self._mb_logprobs(self.engine.module, mb, with_entropy=True)
+                flops += self.flops.training(pk.seq_lengths(mb))
                 mb_real = float(mb.attention_mask.sum())
                 real += mb_real
                 computed += mb_real if self.packing else float(mb.input_ids.numel())
@@ -237,6 +247,7 @@ class DeepSpeedTrainer:
                     weights, wm = off_policy_weights(old_mb, eng[rows, cols], mmask, self.off_policy, **self.off_policy_kwargs)
                     per_tok = per_tok * weights
                     m.update(wm)
+                m["entropy"] = float(masked_mean(ent, mmask))
                 if ref is not None:
                     kl = kl_divergence(lp, ref[rows, cols], self.kl_estimator)
                     per_tok = per_tok + self.kl_coef * kl * mmask
@@ -262,7 +273,12 @@ class DeepSpeedTrainer:
         metrics["logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
         metrics["tokens"] = float(mask.sum())
         metrics["padding_frac"] = (computed - real) / computed if computed else 0.0
-        metrics["tokens_per_s"] = real / max(time.perf_counter() - start, 1e-9)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)   # the clock below must see the GPU's work done
+        train_s = max(time.perf_counter() - start, 1e-9)
+        metrics["tokens_per_s"] = real / train_s
+        if self.peak:
+            metrics["mfu"] = flops / train_s / self.peak
         metrics["micro_batches"] = n_micro / self.ppo_epochs
         # This rank's prompt + response tokens; actors/trainer.py turns the ranks' values into rank_imbalance.
         metrics["seq_tokens"] = float(batch.attention_mask.sum())
@@ -283,11 +299,22 @@ class DeepSpeedTrainer:
         self._need_states("sft_step")
         mask = batch.response_mask.to(self.device)
         self.engine.module.train()
-        lp = self._logprobs(self.engine.module, batch)
-        loss = aggregate_token_loss(-lp, mask, num_tokens_global) * self.world_size
-        self.engine.backward(loss)
+        if not self.budget:   # the whole shard at once, as before token budgets
+            lp = self._logprobs(self.engine.module, batch)[0]
+            loss = aggregate_token_loss(-lp, mask, num_tokens_global) * self.world_size
+            self.engine.backward(loss)
+            self.engine.step()
+            return {"warm_start/loss": float(loss.detach())}   # averaged over ranks: the global token mean
+        total = 0.0   # token-budget micro-batches as in train_step (packed or not): the same exact accumulation
+        for rows in self._micro_batches(batch):
+            mb = batch.select(rows)
+            width = max(int(mb.attention_mask.sum(1).max()), 1)
+            lp = self._mb_logprobs(self.engine.module, mb.trim(width))[0]
+            loss = aggregate_token_loss(-lp, mask[rows, :width], num_tokens_global) * self.world_size
+            self.engine.backward(loss, scale_wrt_gas=False)
+            total += float(loss.detach())
         self.engine.step()
-        return {"warm_start/loss": float(loss.detach())}   # averaged over ranks: the global token mean
+        return {"warm_start/loss": total}
 
     # ---- colocation -------------------------------------------------------------------------------
     def offload_states(self) -> dict[str, float]:

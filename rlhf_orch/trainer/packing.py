@@ -7,8 +7,9 @@
 - `packed_logprobs`: one micro-batch's sequences concatenated into a single row (position ids restarting
   at 0 per sequence, block-diagonal causal attention), its per-token logprobs unpacked back into the
   usual right-padded [B, W] layout, so the loss code is the same for both paths.
-- `resolve_attn`: the attention implementation for the packed path (sdpa, or flash_attention_2 where
-  `flash_attn` is installed).
+- `resolve_attn`: the attention implementation for the packed path: flash_attention_2 (the flash_attn
+  package), varlen (torch's own flash varlen kernel on CUDA, per-sequence SDPA elsewhere: varlen.py), or
+  sdpa with a block-diagonal [L, L] mask.
 
 Pure torch plus a Hugging Face causal LM passed in: no DeepSpeed, no Ray, no distributed calls. It does not
 change the loss or its normalisation: gradient accumulation stays exact because every micro-batch's loss is
@@ -23,11 +24,13 @@ import logging
 import torch
 
 from rlhf_orch.errors import ConfigError
+from rlhf_orch.trainer import varlen
+from rlhf_orch.trainer.logprob import model_logprobs
 from rlhf_orch.types import TrainBatch
 
 logger = logging.getLogger(__name__)
 
-ATTN_CHOICES = ("auto", "sdpa", "flash_attention_2")
+ATTN_CHOICES = ("auto", "varlen", "sdpa", "flash_attention_2")
 
 
 def flash_attn_available() -> bool:
@@ -35,7 +38,8 @@ def flash_attn_available() -> bool:
 
 
 def resolve_attn(attn: str, device: str = "cpu") -> str:
-    """The attention implementation to load the model with for packed training."""
+    """The attention implementation to load the model with for packed training (a transformers
+    attn_implementation name; varlen registers its own)."""
     if attn not in ATTN_CHOICES:
         raise ConfigError(f"trainer.attn: unknown attention {attn!r}; use one of: {', '.join(ATTN_CHOICES)}")
     if attn == "flash_attention_2":
@@ -46,8 +50,13 @@ def resolve_attn(attn: str, device: str = "cpu") -> str:
     if attn == "auto":
         if device == "cuda" and flash_attn_available():
             return "flash_attention_2"
-        logger.info("trainer.attn auto: using sdpa with a block-diagonal causal mask for packed sequences "
-                    "(flash_attn %s)", "is for cuda only" if device != "cuda" else "is not installed")
+        how = ("torch's flash varlen kernel" if device == "cuda" and varlen.torch_varlen_available()
+               else "one causal SDPA call per sequence")
+        logger.info("trainer.attn auto: packed sequences attend through %s (flash_attn %s)", how,
+                    "is for cuda only" if device != "cuda" else "is not installed")
+        attn = "varlen"
+    if attn == "varlen":
+        return varlen.register()
     return "sdpa"
 
 
@@ -119,23 +128,30 @@ def block_causal_mask(lengths: list[int], device) -> torch.Tensor:
     return (causal & (seq[:, None] == seq[None, :]))[None, None]
 
 
-def packed_logprobs(module, batch: TrainBatch, temperature: float, attn: str, device) -> torch.Tensor:
-    """Per-token logprobs of `batch` from one packed forward, as right-padded [B, W] (W = longest row).
+def packed_logprobs(module, batch: TrainBatch, temperature: float, attn: str, device, chunk_tokens: int = 0,
+                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token logprobs (and entropy) of `batch` from one packed forward, as right-padded [B, W] (W = longest row).
 
     Same layout as the padded path: position t holds the logprob of token t, position 0 and padding are 0.
     sdpa gets an explicit block-diagonal causal mask (a 4D mask is used as given by transformers);
-    flash_attention_2 gets only the restarting position ids, from which it derives the varlen boundaries.
+    varlen gets the sequences' boundaries (cu_seq_lens); flash_attention_2 derives them from the
+    restarting position ids.
     """
     lengths = seq_lengths(batch)
     B, W = len(lengths), max(lengths, default=1)
     ids, pos = pack(batch.input_ids.to(device), lengths)
-    mask = None if attn == "flash_attention_2" else block_causal_mask(lengths, ids.device)
-    logits = module(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False).logits[0].float()
-    logp = torch.log_softmax(logits[:-1] / temperature, dim=-1)
+    kw: dict = {"position_ids": pos}
+    if attn == varlen.NAME:
+        kw.update(varlen.boundaries(lengths, ids.device))
+    elif attn != "flash_attention_2":
+        kw["attention_mask"] = block_causal_mask(lengths, ids.device)
+    tok, ent = model_logprobs(module, ids, temperature, chunk_tokens, with_entropy, **kw)
     # Packed position p predicts token p + 1; at each sequence's last token that is the next sequence's
     # first token, a meaningless value the scatter below leaves out.
-    tok = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
     rows = torch.repeat_interleave(torch.arange(B, device=ids.device), torch.tensor(lengths, device=ids.device))
     keep = pos[0, :-1] < (torch.tensor(lengths, device=ids.device)[rows[:-1]] - 1)
-    out = torch.zeros((B, W), dtype=tok.dtype, device=ids.device)
-    return out.index_put((rows[:-1][keep], pos[0, :-1][keep] + 1), tok[keep])
+    where = (rows[:-1][keep], pos[0, :-1][keep] + 1)
+
+    def unpack(v: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((B, W), dtype=v.dtype, device=ids.device).index_put(where, v[0][keep])
+    return unpack(tok), (unpack(ent) if ent is not None else None)

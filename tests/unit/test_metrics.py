@@ -273,3 +273,16 @@ def test_ray_metrics_sink_with_ray(monkeypatch):
         only.close()
     finally:
         ray.shutdown()
+
+
+def test_phase_plot_gets_a_trainer_panel(tmp_path):
+    recs = _records(20)
+    for r in recs:
+        r.update({"train/tokens_per_s": 4e4 + r["step"], "train/mfu": 0.27, "train/padding_frac": 0.0,
+                  "train/rank_imbalance": 0.01})
+    with_panel = plot_run(recs, tmp_path / "a")[1]
+    without = plot_run(_records(20), tmp_path / "b")[1]
+    _assert_png(with_panel)
+    from PIL import Image   # matplotlib depends on pillow
+    # The second panel makes the figure taller (10x8 in vs 10x5 in).
+    assert Image.open(with_panel).size[1] > 1.3 * Image.open(without).size[1]

@@ -96,13 +96,20 @@ def test_block_causal_mask():
     assert torch.equal(m, want)
 
 
-def test_packed_logprobs_equal_padded():
+@pytest.mark.parametrize("attn", ["sdpa", "varlen"])
+def test_packed_logprobs_equal_padded(attn):
     model = _tiny_llama().eval()
+    impl = resolve_attn(attn, "cpu")
     batch = _batch([5, 17, 2, 33, 9, 12])
     with torch.no_grad():
         padded = _padded_logprobs(model, batch, 0.7) * batch.attention_mask
-        packed = packed_logprobs(model, batch, 0.7, "sdpa", torch.device("cpu"))
-    assert packed.shape == padded.shape
+        model.set_attn_implementation(impl)
+        # The same model serves unpacked right-padded batches (the warm start) exactly too.
+        again = _padded_logprobs(model, batch, 0.7) * batch.attention_mask
+        assert torch.allclose(again, padded, atol=1e-6, rtol=0)
+        packed, ent = packed_logprobs(model, batch, 0.7, impl, torch.device("cpu"), with_entropy=True)
+    assert packed.shape == padded.shape == ent.shape
+    assert float(ent.max()) > 0 and float(ent.max()) <= torch.log(torch.tensor(50.0)) + 1e-5
     assert torch.allclose(packed, padded, atol=1e-5, rtol=0), (packed - padded).abs().max()
 
 
@@ -111,9 +118,10 @@ def _loss(lp, batch, num_tokens):
     return aggregate_token_loss(per_tok, batch.response_mask, num_tokens)
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_token_budget_gradients_equal_the_full_padded_batch(packed):
+@pytest.mark.parametrize("packed,attn", [(False, "sdpa"), (True, "sdpa"), (True, "varlen")])
+def test_token_budget_gradients_equal_the_full_padded_batch(packed, attn):
     model = _tiny_llama()
+    impl = resolve_attn(attn, "cpu")
     batch = _batch([5, 17, 2, 33, 9, 12, 40, 3, 21])
     tokens = float(batch.response_mask.sum())
     model.zero_grad()
@@ -127,7 +135,12 @@ def test_token_budget_gradients_equal_the_full_padded_batch(packed):
         mb = batch.select(rows)
         width = int(mb.attention_mask.sum(1).max())
         mb = mb.trim(width)
-        lp = packed_logprobs(model, mb, 1.0, "sdpa", torch.device("cpu")) if packed else _padded_logprobs(model, mb)
+        if packed:
+            model.set_attn_implementation(impl)
+            lp = packed_logprobs(model, mb, 1.0, impl, torch.device("cpu"))[0]
+            model.set_attn_implementation("sdpa")
+        else:
+            lp = _padded_logprobs(model, mb)
         _loss(lp, mb, tokens).backward()
     scale = max(float(g.abs().max()) for g in want.values())
     assert scale > 0
@@ -138,8 +151,41 @@ def test_token_budget_gradients_equal_the_full_padded_batch(packed):
 
 
 def test_attn_resolution():
-    assert resolve_attn("auto", "cpu") == "sdpa"
+    assert resolve_attn("auto", "cpu") == "rlhf_varlen"
+    assert resolve_attn("varlen", "cpu") == "rlhf_varlen"
     assert resolve_attn("sdpa", "cuda") == "sdpa"
     if not flash_attn_available():
         with pytest.raises(ConfigError, match="flash-attn"):
             resolve_attn("flash_attention_2", "cuda")
+
+
+def test_warm_start_step_with_a_token_budget_equals_the_whole_batch(tmp_path, monkeypatch):
+    """sft_step over packed token-budget micro-batches accumulates the whole padded batch's gradients (one
+    DeepSpeed rank on gloo; the optimizer step is held back so both passes start from the same weights)."""
+    import socket
+    from rlhf_orch.trainer.deepspeed_trainer import DeepSpeedTrainer
+    _tiny_llama().save_pretrained(tmp_path / "m")
+    batch = _batch([5, 17, 2, 33, 9, 12, 40, 3, 21])
+    tokens = float(batch.response_mask.sum())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(k, v)
+    # DeepSpeed keeps process-group state, so one trainer serves both passes (as bench/trainer_throughput.py).
+    tr = DeepSpeedTrainer(str(tmp_path / "m"), 0, 1, zero_stage=0, max_tokens_per_micro_batch=48, packing=True,
+                          attn="varlen")
+    try:
+        monkeypatch.setattr(tr.engine, "step", lambda *a, **k: None)
+        results = []
+        for budget in (0, 48):
+            tr.budget = budget
+            tr.engine.module.zero_grad()
+            loss = tr.sft_step(batch, tokens)["warm_start/loss"]
+            results.append((loss, [p.grad.detach().clone() for p in tr.engine.module.parameters()]))
+    finally:
+        torch.distributed.destroy_process_group()
+    assert abs(results[0][0] - results[1][0]) < 1e-6
+    assert max(float(g.abs().max()) for g in results[0][1]) > 0
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)
