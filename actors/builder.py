@@ -234,7 +234,8 @@ class Cluster(EngineRecovery):
 
     def train(self, meta: dict, refs: list) -> dict:
         with self.timeline.span("trainer", "train"):
-            return self.trainers.step_shards("train_step", refs, meta["tokens"])
+            out = self.trainers.step_shards("train_step", refs, meta["tokens"])
+        return {**out, **self.colocation.after_train(out)}   # trainer.offload auto: the plan, chosen after step 1
 
     def log_rollouts(self, step: int, meta: dict) -> None:
         """rollouts.jsonl: which draws (epoch, dataset row) each step trained on, and how many were filtered."""
@@ -283,7 +284,8 @@ class Cluster(EngineRecovery):
                     raise
                 out = self._sync_once(version, True)   # once more, with the replacements
         recovered = self._synced_replacements(out)
-        return {**out, **wake, **recovered, "fault/engines_live": float(len(self.engines)),
+        coloc = {} if resync else self.colocation.step_metrics()   # the step's hand-overs: seconds and GiB moved
+        return {**out, **wake, **recovered, **coloc, "fault/engines_live": float(len(self.engines)),
                 "fault/engine_restarts": float(self.engine_restarts)}
 
     def _sync_once(self, version: int, resync: bool) -> dict:

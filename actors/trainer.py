@@ -55,7 +55,13 @@ class TrainerActor:
         return self.trainer.logprobs(batch)
 
     def train_step(self, batch: TrainBatch, num_tokens_global: float) -> dict:
-        return self.trainer.train_step(batch, num_tokens_global)
+        """On CUDA also `mem/trainer_peak_gb_max`: the most this rank's allocator held during the step (the
+        colocation plan of `trainer.offload: auto` reads it; max over ranks)."""
+        from rlhf_orch.gpu_memory import peak_reserved_gb, reset_peak
+        reset_peak(self.trainer.device)
+        m = self.trainer.train_step(batch, num_tokens_global)
+        peak = peak_reserved_gb(self.trainer.device)
+        return m if peak is None else {**m, "mem/trainer_peak_gb_max": peak}
 
     def sft_step(self, batch: TrainBatch, num_tokens_global: float) -> dict:
         return self.trainer.sft_step(batch, num_tokens_global)
@@ -78,6 +84,24 @@ class TrainerActor:
 
     def reload_states(self) -> dict:
         return self.trainer.reload_states()
+
+    def memory_stats(self, release: bool = False) -> dict:
+        """Bytes on this rank's GPU for the colocation plan: the device's total and used (every process), this
+        rank's allocated/reserved and their peaks since the last train step began. `release`: give the allocator's
+        free cached blocks back first (the trainer at rest). {} on CPU."""
+        from rlhf_orch.gpu_memory import stats
+        s = stats(self.trainer.device, release)
+        return {"device": self.device_id(), **s} if s else {}
+
+    def release_cache(self) -> float:
+        """Give the allocator's free cached blocks back to the device (a trainer that stays resident while the
+        engines take their KV cache back); returns seconds."""
+        import time
+        import torch
+        t0 = time.perf_counter()
+        if self.trainer.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return time.perf_counter() - t0
 
     def device_memory(self) -> dict[str, float]:
         """{device id: used GiB} of this rank's GPU ({} on CPU)."""

@@ -4,7 +4,9 @@
 trainer ranks). `devices_used_gb(device_ids)` reads whole devices by UUID through NVML, so an actor
 without a CUDA context of its own (a vLLM engine's shell, whose workers are subprocesses) can report
 its GPUs without creating one (a context alone costs ~500 MB). Both return {} on CPU or when NVML is
-missing; readings are GiB. It does not attribute memory to processes.
+missing; readings are GiB. `stats(device)` and `reset_peak(device)` give the colocation plan its numbers
+(`trainer.offload: auto`): bytes, and this process's peak since the last reset. It does not attribute memory to
+processes.
 """
 from __future__ import annotations
 
@@ -23,6 +25,35 @@ def process_memory(device: torch.device) -> dict[str, float]:
     return {"allocated_gb": torch.cuda.memory_allocated(device) / 2**30,
             "reserved_gb": torch.cuda.memory_reserved(device) / 2**30,
             "device_used_gb": (total - free) / 2**30}
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start a new peak (before a train step); nothing on CPU."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_reserved_gb(device: torch.device) -> float | None:
+    """GiB: the most this process's allocator held from the device since the last reset (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_reserved(device) / 2**30
+
+
+def stats(device: torch.device, release: bool = False) -> dict[str, int]:
+    """Bytes: the device's total and used (all processes), this process's allocated/reserved and their peaks since
+    the last reset. `release` first returns the allocator's free cached blocks to the device (a process at rest then
+    shows what it really keeps). {} on CPU."""
+    if device.type != "cuda":
+        return {}
+    if release:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return {"total": total, "used": total - free,
+            "allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
+            "peak_allocated": torch.cuda.max_memory_allocated(device),
+            "peak_reserved": torch.cuda.max_memory_reserved(device)}
 
 
 def _nvml_uuid(device_id: str) -> str | None:

@@ -103,8 +103,11 @@ class TrainerSection(_Section):
     keep_checkpoints: int = Field(3, ge=0, description="Keep the newest N complete checkpoints (0: keep all).")
     export_hf: bool = Field(True, description="Write an HF safetensors folder of the policy with every checkpoint.")
     bf16: bool = Field(False, description="Train in bf16 (GPU).")
-    offload: bool = Field(False, description="Colocation: move optimizer state, master weights, model partitions and "
-                          "gradients to CPU memory while engines generate, and back before the train step (zero_stage >= 1).")
+    offload: Literal[False, True, "auto"] = Field(
+        False, description="Colocation: move optimizer state, master weights, model partitions and gradients to CPU "
+        "memory while engines generate, and back before the train step (zero_stage >= 1). auto: the first step moves as "
+        "configured (offload, and engines sleep at their sleep_level) and measures the GPU; from then on only what must "
+        "move to fit moves (nothing, only the engines' sleep, or all as configured). On cpu auto moves nothing.")
 
 
 class SamplingSection(_Section):
@@ -267,7 +270,8 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
             p.append(f"engines.{i}.sleep_level: vLLM sleeps only with enable_sleep_mode: true; set it or sleep_level: 0")
     p.extend(rollout_problems(cfg))
     if cfg.trainer.offload and cfg.trainer.zero_stage == 0:
-        p.append("trainer.offload: offloading moves ZeRO's optimizer partitions; set trainer.zero_stage to 1, 2 or 3")
+        how = "auto may offload, and offloading" if cfg.trainer.offload == "auto" else "offloading"
+        p.append(f"trainer.offload: {how} moves ZeRO's optimizer partitions; set trainer.zero_stage to 1, 2 or 3")
     if cfg.trainer.bf16 and cfg.trainer.device == "cpu":
         p.append("trainer.bf16: bf16 training is for cuda here; set trainer.bf16: false or trainer.device: cuda")
     p.extend(packing_problems(cfg))

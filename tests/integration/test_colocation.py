@@ -35,6 +35,30 @@ def test_sleep_and_offload_change_nothing_but_memory(tmp_path, zero_stage):
         assert b["sync/checksum_ok"] == 1.0
         # every hand-over ran: engines slept and woke (weights for the sync, KV for generation), trainers moved
         for key in ("colocate/sleep_s", "colocate/reload_s", "colocate/wake_weights_s", "colocate/offload_s",
-                    "colocate/wake_kv_s", "perf/to_generate_s", "perf/to_train_s"):
+                    "colocate/wake_kv_s", "perf/to_generate_s", "perf/to_train_s", "colocate/handover_s",
+                    "colocate/moved_gb"):
             assert key in b, key
-        assert "colocate/sleep_s" not in a
+        assert b["colocate/handover_s"] > 0 and "colocate/plan_offload" not in b   # a plan only under offload: auto
+        assert "colocate/sleep_s" not in a and "colocate/handover_s" not in a
+
+
+def test_offload_auto_on_cpu_moves_nothing_and_matches_offload_false(tmp_path):
+    """`trainer.offload: auto` with a sleeping colocated engine configured: on CPU there is no GPU memory to share,
+    so nothing moves (the plan says so once in step 1's metrics), and the run is the offload: false run, whose per-step
+    numbers are the recorded synchronous-loop baseline."""
+    base = json.loads((ROOT / "tests/data/tiny_cpu_20steps_baseline.json").read_text())["steps"]
+    assert launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
+                        "experiment.name=auto", "experiment.steps=3", "trainer.offload=auto", "engines.0.sleep_level=2",
+                        "ray.num_cpus=2", "metrics.ray_metrics=false", "metrics.plots=false",
+                        "metrics.tensorboard=false"]) == 0
+    recs = [json.loads(l) for l in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    for want, got in zip(base, recs):
+        for key in ("train/loss", "train/kl", "train/grad_norm", "rollout/reward_mean", "sync/digest"):
+            assert got[key] == pytest.approx(want[key], abs=1e-6), (got["step"], key)
+        assert got["sync/checksum_ok"] == 1.0
+        assert got["colocate/moved_gb"] == 0.0 and got["colocate/handover_s"] < 0.05
+        assert not any(k in got for k in ("colocate/sleep_s", "colocate/offload_s", "colocate/reload_s",
+                                          "colocate/wake_kv_s", "colocate/wake_weights_s"))
+    assert (recs[0]["colocate/plan_offload"], recs[0]["colocate/plan_sleep"]) == (0.0, 0.0)
+    assert "colocate/plan_offload" not in recs[1]

@@ -142,6 +142,18 @@ def test_sleeping_colocated_engine_cannot_run_ahead(tmp_path):
     assert msg.startswith("engines.0.sleep_level: a sleeping colocated engine cannot generate while the trainer trains")
 
 
+def test_offload_auto_needs_zero_and_takes_only_bools_or_auto(tmp_path):
+    p = write(tmp_path, "trainer: {num_ranks: 1, zero_stage: 0, offload: auto}\n"
+                        "engines:\n  - {kind: hf, placement: colocated, sleep_level: 2}\n")
+    (msg,) = problems(p)
+    assert msg == ("trainer.offload: auto may offload, and offloading moves ZeRO's optimizer partitions; set "
+                   "trainer.zero_stage to 1, 2 or 3")
+    assert load_config(p, ["trainer.zero_stage=2"]).trainer.offload == "auto"
+    assert load_config(p, ["trainer.zero_stage=2", "trainer.offload=true"]).trainer.offload is True
+    (msg,) = problems(p, ["trainer.zero_stage=2", "trainer.offload=sometimes"])
+    assert msg == "trainer.offload: Input should be False, True or 'auto' (got 'sometimes')"
+
+
 def test_token_budget_below_the_longest_sequence(tmp_path):
     p = write(tmp_path, "data: {max_prompt_tokens: 20}\nengines: [{kind: hf, sampling: {max_new_tokens: 8}}, "
                         "{kind: hf, sampling: {max_new_tokens: 30}}]\n")
