@@ -1,37 +1,66 @@
 """RL algorithm maths: outcome-reward advantage estimators and token-level losses.
 
-Pure tensor functions with no Ray and no model code; see `advantages` and `losses` for shapes.
+Pure tensor functions with no Ray and no model code; see `advantages` and `losses` for shapes, and
+docs/algorithms.md for the formulas and how they relate to verl's.
 """
 from rlhf_orch.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
+    discounted_returns,
+    gae_advantages,
     get_advantage_fn,
+    group_centred_rewards,
     grpo_advantages,
+    masked_whiten,
     reinforce_pp_advantages,
+    reinforce_pp_baseline_token_advantages,
+    reinforce_pp_returns,
     rloo_advantages,
+    whiten_mean_var,
+    whiten_stats,
 )
 from rlhf_orch.algorithms.losses import (
     KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    aggregate_loss,
     aggregate_token_loss,
+    check_loss_agg_mode,
+    entropy_bonus,
     entropy_from_logits,
+    explained_variance,
     kl_divergence,
     masked_mean,
     masked_sum,
     policy_loss,
+    value_loss,
 )
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "aggregate_loss",
     "aggregate_token_loss",
+    "check_loss_agg_mode",
     "compute_advantages",
+    "discounted_returns",
+    "entropy_bonus",
     "entropy_from_logits",
+    "explained_variance",
+    "gae_advantages",
     "get_advantage_fn",
+    "group_centred_rewards",
     "grpo_advantages",
     "kl_divergence",
     "masked_mean",
     "masked_sum",
+    "masked_whiten",
     "policy_loss",
     "reinforce_pp_advantages",
+    "reinforce_pp_baseline_token_advantages",
+    "reinforce_pp_returns",
     "rloo_advantages",
+    "value_loss",
+    "whiten_mean_var",
+    "whiten_stats",
 ]

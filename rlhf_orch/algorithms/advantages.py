@@ -1,4 +1,6 @@
-"""Outcome-reward advantage estimators for group-sampled RL (GRPO, RLOO, REINFORCE++).
+"""Advantage estimators: outcome-reward ones for group-sampled RL (GRPO, RLOO, REINFORCE++), and
+token-level ones with verl's semantics (GAE, REINFORCE++ with gamma, token-whitened
+REINFORCE++-baseline) plus the masked whitening they share.
 
 Each estimator maps one scalar reward per sample to one advantage per sample, using the samples
 generated from the same prompt (same group id) as the baseline. All share the signature
@@ -12,8 +14,13 @@ over samples.
 Conventions shared by all estimators: a group of one sample, or a group whose rewards are all
 equal, carries no learning signal and gets advantage exactly 0 (also when eps=0).
 
-This module does not broadcast advantages over tokens, mask anything or compute losses: see
-`losses.py`. It holds no state beyond the `ADVANTAGE_ESTIMATORS` registry.
+The registry estimators above do not broadcast advantages over tokens, mask anything or compute
+losses (see `losses.py`). The token-level functions (`gae_advantages`, `reinforce_pp_returns`,
+`reinforce_pp_baseline_token_advantages`, `masked_whiten` and its helpers) take [B, T] tensors and a
+[B, T] mask as verl's core_algos does, are not in the registry (they need more than rewards and
+group ids), and take whitening statistics from the caller so that a batch split over ranks can
+whiten with all-reduced ones: see `whiten_stats`. docs/algorithms.md has every formula and each
+difference from verl. The module holds no state beyond the `ADVANTAGE_ESTIMATORS` registry.
 """
 from __future__ import annotations
 
@@ -104,6 +111,12 @@ def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-
     all zeros. Unlike verl, a group of one is centred to 0 rather than kept as its raw reward,
     consistent with the other estimators here.
 
+    This whitens over SAMPLES (one value per sequence). verl's
+    compute_reinforce_plus_plus_baseline_outcome_advantage whitens over TOKENS (each sequence's
+    value counted once per response token, so long responses weigh more): that one is
+    `reinforce_pp_baseline_token_advantages`. This function is kept unchanged so that existing
+    runs stay exact.
+
     Shapes: rewards [N] float, group_ids [N] long -> advantages [N] float (rewards' dtype).
     """
     st = _Groups(rewards, group_ids)
@@ -139,3 +152,206 @@ def compute_advantages(name: str, rewards: Tensor, group_ids: Tensor, **kwargs) 
     `kwargs` go to the estimator (e.g. `eps`, or `norm_by_std` for "grpo").
     """
     return get_advantage_fn(name)(rewards, group_ids, **kwargs)
+
+
+# ----------------------------------------------------------------------------- token-level (verl)
+#
+# Shapes: [B, T] tensors, one row per sequence; `mask` [B, T] marks the tokens that are actions
+# (the response; 0 on prompt, padding and, in multi-turn data, observation tokens). Our batches span
+# prompt + response, so masks have leading zeros as well as trailing ones; verl's are response-only.
+# Every function below zeroes its outputs outside the mask (verl leaves values there that no loss
+# reads).
+
+# verl's masked_whiten: (x - mean) * rsqrt(var + 1e-8).
+_WHITEN_EPS = 1e-8
+
+
+def whiten_stats(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(sum, sum of squares, count) of x over the mask, float64 0-dim tensors.
+
+    Shapes: x, mask [B, T] (any equal shapes). The three are sums, so a batch split over ranks
+    all-reduces them (SUM) and passes `whiten_mean_var(*stats)` to `masked_whiten`; every rank then
+    whitens with the statistics of the whole batch, as verl does on its single driver batch.
+    """
+    m = mask.detach().to(torch.float64)
+    xd = torch.where(m != 0, x.detach().to(torch.float64), torch.zeros_like(m))
+    return (xd * m).sum(), (xd * xd * m).sum(), m.sum()
+
+
+def whiten_mean_var(total: Tensor | float, total_sq: Tensor | float, count: Tensor | float,
+                    unbiased: bool = True) -> tuple[Tensor, Tensor]:
+    """Mean and variance from `whiten_stats` sums -> (mean, var) float64 0-dim tensors.
+
+    var = (total_sq - total^2 / count) / (count - 1) (unbiased, Bessel-corrected as verl's
+    masked_var) or / count (unbiased=False); clamped at 0. count == 0 gives (0, 0); count == 1 gives
+    var 0 with unbiased=True, where verl raises ValueError. This one-pass formula in float64 agrees
+    with verl's two-pass float32 masked_var to float32 rounding for data of LLM-advantage scale.
+    """
+    t = torch.as_tensor(total, dtype=torch.float64)
+    tsq = torch.as_tensor(total_sq, dtype=torch.float64, device=t.device)
+    n = torch.as_tensor(count, dtype=torch.float64, device=t.device)
+    safe_n = torch.where(n > 0, n, torch.ones_like(n))
+    mean = torch.where(n > 0, t / safe_n, torch.zeros_like(t))
+    ss = (tsq - t * mean).clamp(min=0.0)               # sum of squared deviations
+    den = n - 1 if unbiased else n
+    var = torch.where(den > 0, ss / torch.where(den > 0, den, torch.ones_like(den)),
+                      torch.zeros_like(ss))
+    return mean, var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, mean: Tensor | float | None = None,
+                  var: Tensor | float | None = None, shift_mean: bool = True) -> Tensor:
+    """verl's masked_whiten (verl.utils.torch_functional): (x - mean) * rsqrt(var + 1e-8), plus
+    mean back again when shift_mean=False; zeroed outside the mask.
+
+    Shapes: x, mask [B, T] -> [B, T] in x's dtype (float32 for integer x); computed in float64.
+    `mean` and `var` are the statistics to whiten with: pass `whiten_mean_var` of all-reduced
+    `whiten_stats` when the batch is split over ranks. When either is None both are computed from
+    this x over this mask (verl's behaviour: unbiased variance over the mask tokens).
+    """
+    if mean is None or var is None:
+        mean, var = whiten_mean_var(*whiten_stats(x, mask))
+    mean = torch.as_tensor(mean, dtype=torch.float64, device=x.device)
+    var = torch.as_tensor(var, dtype=torch.float64, device=x.device)
+    xd = x.detach().to(torch.float64)
+    out = (xd - mean) * torch.rsqrt(var + _WHITEN_EPS)
+    if not shift_mean:
+        out = out + mean
+    out = torch.where(mask != 0, out, torch.zeros_like(out))
+    return out.to(x.dtype if x.is_floating_point() else torch.float32)
+
+
+def _check_token_shapes(name: str, mask: Tensor, *tensors: Tensor) -> None:
+    if mask.dim() != 2 or any(t.shape != mask.shape for t in tensors):
+        raise ValueError(f"{name}: token tensors and mask must all be [B, T] of the same shape, got "
+                         f"{[tuple(t.shape) for t in tensors]} and mask {tuple(mask.shape)}")
+
+
+@torch.no_grad()
+def gae_advantages(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
+                   lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (verl's compute_gae_advantage_return, after TRL).
+
+    Shapes: token_rewards, values, mask [B, T] -> (advantages [B, T], returns [B, T]) float32,
+    both zero outside the mask. values[:, t] is the critic's V(s_t) for the state in which token t
+    is generated; token_rewards[:, t] the reward for generating it (typically the outcome reward on
+    the last response token, minus any per-token KL penalty). Backwards over t, from
+    nextvalue = 0 and lastgae = 0:
+
+        delta_t   = r_t + gamma * nextvalue - V_t
+        A_t       = delta_t + gamma * lam * lastgae
+        where mask_t = 1: nextvalue <- V_t, lastgae <- A_t;
+        where mask_t = 0: both carried unchanged (the token is skipped)
+        returns_t = A_t + V_t
+
+    Skipping masked positions (rather than stopping at them) is verl's multi-turn handling:
+    observation tokens inside a response neither bootstrap nor break the chain. The advantages are
+    NOT whitened (verl whitens them inside compute_gae_advantage_return): whiten them with
+    `masked_whiten(adv, mask, *whiten_mean_var(*<all-reduced whiten_stats(adv, mask)>))`, or
+    `masked_whiten(adv, mask)` on a whole batch, to get verl's advantages. The returns are the
+    critic's targets (`value_loss`) and are not whitened in verl either.
+    """
+    _check_token_shapes("gae_advantages", mask, token_rewards, values)
+    r = token_rewards.detach().float()
+    v = values.detach().float()
+    m = mask.detach().float()
+    B, T = r.shape
+    nextvalues = torch.zeros(B, dtype=r.dtype, device=r.device)
+    lastgaelam = torch.zeros(B, dtype=r.dtype, device=r.device)
+    adv = torch.zeros_like(r)
+    for t in reversed(range(T)):
+        delta = r[:, t] + gamma * nextvalues - v[:, t]
+        lastgaelam_ = delta + gamma * lam * lastgaelam
+        nextvalues = v[:, t] * m[:, t] + (1 - m[:, t]) * nextvalues
+        lastgaelam = lastgaelam_ * m[:, t] + (1 - m[:, t]) * lastgaelam
+        adv[:, t] = lastgaelam
+    returns = adv + v
+    on = m != 0
+    return (torch.where(on, adv, torch.zeros_like(adv)),
+            torch.where(on, returns, torch.zeros_like(returns)))
+
+
+@torch.no_grad()
+def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """REINFORCE++'s discounted returns (the loop in verl's
+    compute_reinforce_plus_plus_outcome_advantage).
+
+    Shapes: token_rewards, mask [B, T] -> returns [B, T] float32, zero outside the mask. Backwards
+    over t from G = 0: G <- r_t + gamma * G; returns_t = G; then G <- G * mask_t. So a masked
+    position RESETS the running return (verl's "reset after EOS"): a response token sees no reward
+    from beyond the next masked position (unlike `gae_advantages`, which skips masked positions).
+    """
+    _check_token_shapes("discounted_returns", mask, token_rewards)
+    r = token_rewards.detach().float()
+    m = mask.detach().float()
+    returns = torch.zeros_like(r)
+    running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
+    for t in reversed(range(r.shape[1])):
+        running = r[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * m[:, t]
+    return torch.where(m != 0, returns, torch.zeros_like(returns))
+
+
+def reinforce_pp_returns(token_rewards: Tensor, mask: Tensor, gamma: float,
+                         mean: Tensor | float | None = None,
+                         var: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ (verl's compute_reinforce_plus_plus_outcome_advantage, arXiv 2501.03262).
+
+    Shapes: token_rewards, mask [B, T] -> (advantages [B, T], returns [B, T]) float32, zero outside
+    the mask. returns = `discounted_returns(token_rewards, mask, gamma)`; advantages = returns
+    whitened over all mask tokens of the batch (`masked_whiten`, unbiased variance, +1e-8). No
+    baseline and no grouping: the whitening is the baseline. `mean` / `var`: the whitening
+    statistics; None computes them from this batch (verl). For a batch split over ranks pass
+    `whiten_mean_var(*all_reduce(whiten_stats(discounted_returns(...), mask)))`.
+    """
+    returns = discounted_returns(token_rewards, mask, gamma)
+    return masked_whiten(returns, mask, mean, var), returns
+
+
+def group_centred_rewards(rewards: Tensor, group_ids: Tensor, keep_singletons: bool = True
+                          ) -> Tensor:
+    """r - group mean, float64 [N], as verl's REINFORCE++-baseline / GRPO centring.
+
+    Groups whose rewards are all equal give exactly 0. A group of one has no mean to subtract:
+    keep_singletons=True keeps its raw reward (verl: its id2mean is 0); False gives it 0, as our
+    registry estimators do.
+    """
+    st = _Groups(rewards, group_ids)
+    r = rewards.detach().to(torch.float64)
+    c = torch.where(st.informative, st.centred, torch.zeros_like(st.centred))
+    if keep_singletons:
+        c = torch.where(st.n == 1, r, c)
+    return c
+
+
+def reinforce_pp_baseline_token_advantages(rewards: Tensor, group_ids: Tensor, mask: Tensor,
+                                           mean: Tensor | float | None = None,
+                                           var: Tensor | float | None = None, *,
+                                           keep_singletons: bool = True) -> Tensor:
+    """REINFORCE++-baseline whitened over TOKENS (verl's
+    compute_reinforce_plus_plus_baseline_outcome_advantage).
+
+    Shapes: rewards [N] float, group_ids [N] long, mask [N, T] -> advantages [N, T] (rewards'
+    dtype; float32 for integer rewards), zero outside the mask.
+
+        c_i   = r_i - mean of r over i's group      (`group_centred_rewards`)
+        x_it  = c_i * mask_it                       (broadcast over the sequence's tokens)
+        A_it  = (x_it - mean_x) * rsqrt(var_x + 1e-8) * mask_it
+
+    mean_x, var_x: mean and unbiased variance of x over all mask tokens of the batch, so a
+    sequence counts once per response token (this differs from `reinforce_pp_advantages`, which
+    whitens one value per sequence, and from it also in subtracting the token mean). Pass `mean` /
+    `var` from `whiten_mean_var` of all-reduced `whiten_stats(x, mask)` when the batch is split over
+    ranks (x as above); None computes them here. A group of one keeps its raw reward as verl does
+    (keep_singletons=True); keep_singletons=False gives it 0 before whitening, as our registry
+    estimators. All-equal groups are exactly 0 before whitening.
+    """
+    if mask.dim() != 2 or mask.shape[0] != rewards.shape[0]:
+        raise ValueError(f"reinforce_pp_baseline_token_advantages: mask must be [N, T] with N = "
+                         f"{rewards.shape[0]}, got {tuple(mask.shape)}")
+    c = group_centred_rewards(rewards, group_ids, keep_singletons)
+    m = mask.detach().to(torch.float64)
+    x = c[:, None] * m
+    adv = masked_whiten(x, m, mean, var)
+    return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)

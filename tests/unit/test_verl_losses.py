@@ -1,0 +1,589 @@
+"""Unit tests for the verl-semantics losses and estimators in rlhf_orch.algorithms (issue #14 item 4).
+
+Every expected value is written out and derived by hand in the comment beside it. Where a test compares
+with verl, the reference is a transcription of the verl code it names (verl/trainer/ppo/core_algos.py,
+verl/utils/torch_functional.py, current main), kept in this file as `_verl_*` helpers.
+"""
+import math
+
+import pytest
+import torch
+
+from rlhf_orch.algorithms import (
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    aggregate_loss,
+    aggregate_token_loss,
+    discounted_returns,
+    entropy_bonus,
+    explained_variance,
+    gae_advantages,
+    group_centred_rewards,
+    kl_divergence,
+    masked_whiten,
+    policy_loss,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_token_advantages,
+    reinforce_pp_returns,
+    value_loss,
+    whiten_mean_var,
+    whiten_stats,
+)
+from rlhf_orch.errors import ConfigError
+
+LN2 = math.log(2.0)
+
+
+def close(actual, expected, atol=1e-6):
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
+
+
+# ----------------------------------------------------------------------------- verl references (transcribed)
+
+def _verl_kl_penalty_forward(logprob, ref_logprob, kl_penalty):
+    """core_algos.kl_penalty_forward."""
+    if kl_penalty in ("kl", "k1"):
+        return logprob - ref_logprob
+    if kl_penalty == "abs":
+        return (logprob - ref_logprob).abs()
+    if kl_penalty in ("mse", "k2"):
+        return 0.5 * (logprob - ref_logprob).square()
+    if kl_penalty in ("low_var_kl", "k3"):
+        kl = ref_logprob - logprob
+        kl = torch.clamp(kl, min=-20, max=20)
+        ratio = torch.exp(kl)
+        kld = (ratio - kl - 1).contiguous()
+        return torch.clamp(kld, min=-10, max=10)
+    raise NotImplementedError
+
+
+def _verl_kl_penalty(logprob, ref_logprob, kl_penalty):
+    """core_algos.kl_penalty (straight-through '+' variants)."""
+    base = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
+    forward_score = _verl_kl_penalty_forward(logprob, ref_logprob, base)
+    if not kl_penalty.endswith("+") or kl_penalty in ("mse", "k2"):
+        return forward_score
+    backward_score = 0.5 * (logprob - ref_logprob).square()
+    return backward_score - backward_score.detach() + forward_score.detach()
+
+
+def _verl_masked_whiten(values, mask):
+    """torch_functional.masked_whiten (two-pass, unbiased), in float64."""
+    values, mask = values.double(), mask.double()
+    mean = (values * mask).sum() / mask.sum()
+    var = (((values - mean) ** 2) * mask).sum() / mask.sum()
+    var = var * mask.sum() / (mask.sum() - 1)
+    return (values - mean) * torch.rsqrt(var + 1e-8)
+
+
+def _old_k3(logprobs, ref_logprobs):
+    """kl_divergence(..., "k3") as it was before the verl names (must stay bit-identical)."""
+    diff = logprobs.float() - ref_logprobs.float()
+    d = (-diff).clamp(-20.0, 20.0)
+    return (torch.exp(d) - d - 1.0).clamp(min=0.0)
+
+
+def _old_policy_loss(logprobs, old_logprobs, advantages, response_mask, lo=0.2, hi=None):
+    """policy_loss's per-token loss as it was before clip_ratio_c (must stay bit-identical)."""
+    hi = lo if hi is None else hi
+    mask = response_mask.to(torch.float32)
+    adv = advantages.detach().to(torch.float32)
+    if adv.dim() == 1:
+        adv = adv[:, None]
+    log_ratio = (logprobs.float() - old_logprobs.detach().float()).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - lo, 1.0 + hi) * adv)
+    return torch.where(mask != 0, per_token, torch.zeros_like(per_token))
+
+
+# ----------------------------------------------------------------------------- KL estimators
+
+def test_kl_estimator_names():
+    assert KL_ESTIMATORS == ("k1", "k2", "k3", "kl", "abs", "mse", "low_var_kl",
+                             "k1+", "k2+", "k3+", "kl+", "abs+", "mse+", "low_var_kl+")
+
+
+def test_kl_estimators_on_hand_values():
+    # p = 0.5, ref = 0.25: d = ln 0.5 - ln 0.25 = ln 2 = 0.693147
+    lp, lr = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]])
+    for name in ("k1", "kl", "abs"):
+        close(kl_divergence(lp, lr, name), [[LN2]])                     # d, |d| = ln 2
+    for name in ("k2", "mse"):
+        close(kl_divergence(lp, lr, name), [[0.5 * LN2 ** 2]])          # 0.5 * ln(2)^2 = 0.240227
+    for name in ("k3", "low_var_kl"):
+        close(kl_divergence(lp, lr, name), [[0.5 + LN2 - 1]])           # x = -ln 2: e^x - x - 1 = 0.193147
+    # reversed: d = -ln 2
+    close(kl_divergence(lr, lp, "k1"), [[-LN2]])
+    close(kl_divergence(lr, lp, "abs"), [[LN2]])
+    close(kl_divergence(lr, lp, "low_var_kl"), [[2 - LN2 - 1]])         # x = ln 2: 2 - ln 2 - 1 = 0.306853
+
+
+def test_low_var_kl_clamps_as_verl_and_k3_keeps_its_old_behaviour():
+    lp = torch.tensor([[0.0, 0.0, 0.0]])
+    lr = torch.tensor([[5.0, -30.0, -12.0]])
+    # x = lr - lp:  5   -> e^5 - 5 - 1 = 148.413159 - 6 = 142.413159: k3 keeps it, low_var_kl caps at 10
+    #              -30  -> clamped to -20: e^-20 + 20 - 1 = 19.000000002: k3 19, low_var_kl 10
+    #              -12  -> e^-12 + 12 - 1 = 11.000006: k3 11.000006, low_var_kl 10
+    close(kl_divergence(lp, lr, "k3"), [[math.exp(5) - 6, 19.0, math.exp(-12) + 11]], atol=1e-4)
+    close(kl_divergence(lp, lr, "low_var_kl"), [[10.0, 10.0, 10.0]])
+
+
+def test_k1_k2_k3_bit_identical_to_before_and_aliases_exact():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 16, generator=g) * 3, torch.randn(8, 16, generator=g) * 3
+    d = a - b
+    assert torch.equal(kl_divergence(a, b, "k1"), d)
+    assert torch.equal(kl_divergence(a, b, "k2"), 0.5 * d ** 2)
+    assert torch.equal(kl_divergence(a, b, "k3"), _old_k3(a, b))
+    assert torch.equal(kl_divergence(a, b, "kl"), kl_divergence(a, b, "k1"))
+    assert torch.equal(kl_divergence(a, b, "mse"), kl_divergence(a, b, "k2"))
+
+
+def test_verl_names_match_verl_kl_penalty_exactly():
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(8, 16, generator=g) * 4, torch.randn(8, 16, generator=g) * 4
+    for name in ("kl", "k1", "abs", "mse", "k2", "low_var_kl"):
+        assert torch.equal(kl_divergence(a, b, name), _verl_kl_penalty_forward(a, b, name)), name
+
+
+def test_straight_through_variants_value_of_named_gradient_of_k2():
+    # At d = ln 2 (p = 0.5, ref = 0.25). The gradient of k2 = 0.5 d^2 w.r.t. logp is d = ln 2.
+    #   k3:  value 0.193147, own gradient d/dlogp (e^(lr-lp) - (lr-lp) - 1) = 1 - e^(lr-lp) = 1 - 0.5
+    #   k3+: value 0.193147, gradient ln 2;   k1+: value ln 2, gradient ln 2 (k1's own is 1)
+    #   abs+: value ln 2, gradient ln 2;      k2+ = k2: value 0.240227, gradient ln 2
+    lr = torch.tensor([[math.log(0.25)]])
+    cases = {"k3": (0.5 + LN2 - 1, 0.5), "k3+": (0.5 + LN2 - 1, LN2), "low_var_kl+": (0.5 + LN2 - 1, LN2),
+             "k1": (LN2, 1.0), "k1+": (LN2, LN2), "kl+": (LN2, LN2), "abs+": (LN2, LN2),
+             "k2+": (0.5 * LN2 ** 2, LN2), "mse+": (0.5 * LN2 ** 2, LN2)}
+    for name, (value, grad) in cases.items():
+        lp = torch.tensor([[math.log(0.5)]], requires_grad=True)
+        out = kl_divergence(lp, lr, name)
+        out.sum().backward()
+        close(out.detach(), [[value]])
+        close(lp.grad, [[grad]])
+    # Where low_var_kl is capped (x = lr - lp = 5): value 10, gradient of k2 = lp - lr = -5.
+    lp = torch.tensor([[0.0]], requires_grad=True)
+    out = kl_divergence(lp, torch.tensor([[5.0]]), "low_var_kl+")
+    out.sum().backward()
+    close(out.detach(), [[10.0]])
+    close(lp.grad, [[-5.0]])
+
+
+def test_straight_through_matches_verl_values_and_gradients():
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(4, 8, generator=g)
+    ref = torch.randn(4, 8, generator=g)
+    for name in ("k1+", "kl+", "abs+", "k2+", "mse+", "low_var_kl+"):
+        ours_in = base.clone().requires_grad_(True)
+        verl_in = base.clone().requires_grad_(True)
+        ours, theirs = kl_divergence(ours_in, ref, name), _verl_kl_penalty(verl_in, ref, name)
+        assert torch.equal(ours, theirs), name
+        (ours * ref).sum().backward()
+        (theirs * ref).sum().backward()
+        assert torch.equal(ours_in.grad, verl_in.grad), name
+
+
+def test_kl_unknown_and_full_raise_config_error_with_the_list():
+    names = ", ".join(KL_ESTIMATORS)
+    with pytest.raises(ConfigError) as e:
+        kl_divergence(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
+    assert str(e.value) == f"algorithm.kl_estimator: unknown KL estimator 'k4'; use one of: {names}"
+    for name in ("full", "full+"):
+        with pytest.raises(ConfigError, match=r"algorithm\.kl_estimator: 'full\+?'.*full distributions.*k1, k2, k3"):
+            kl_divergence(torch.zeros(1, 1), torch.zeros(1, 1), name)
+    with pytest.raises(ConfigError, match="unknown KL estimator 'k3\\+\\+'"):
+        kl_divergence(torch.zeros(1, 1), torch.zeros(1, 1), "k3++")
+
+
+# ----------------------------------------------------------------------------- loss aggregation
+
+# Rows are sequences. Masked row sums S_i: 1+2+3 = 6, 4, 5+6 = 11, 7+8+9+10 = 34 (55 in all);
+# loss tokens n_i: 3, 1, 2, 4 (10 in all); row 4 has no loss token (and NaN where masked).
+LOSS = [[1.0, 2, 3, 0], [4, 0, 0, 0], [5, 6, 0, 0], [7, 8, 9, 10], [float("nan"), 1, 1, 1]]
+MASK = [[1.0, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]]
+EXPECTED = {
+    "token-mean": 5.5,                                   # 55 / 10 tokens
+    "seq-mean-token-sum": 13.75,                         # 55 / 4 sequences (row 4 has no token)
+    "seq-mean-token-mean": 5.0,                          # (6/3 + 4/1 + 11/2 + 34/4) / 4 = 20 / 4
+    "seq-mean-token-sum-norm": 1.71875,                  # 13.75 / norm_len 8
+}
+
+
+def test_loss_agg_modes_names():
+    assert LOSS_AGG_MODES == ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_aggregate_loss_hand_values(mode):
+    loss, mask = torch.tensor(LOSS), torch.tensor(MASK)
+    close(aggregate_loss(loss, mask, mode, norm_len=8), EXPECTED[mode])
+    # the same with the global counts given explicitly (all of them are this batch's here)
+    close(aggregate_loss(loss, mask, mode, num_tokens_global=10, num_seqs_global=4, norm_len=8), EXPECTED[mode])
+
+
+def test_token_mean_is_bit_identical_to_aggregate_token_loss():
+    g = torch.Generator().manual_seed(3)
+    loss = torch.randn(6, 9, generator=g)
+    mask = (torch.rand(6, 9, generator=g) > 0.4).float()
+    assert torch.equal(aggregate_loss(loss, mask), aggregate_token_loss(loss, mask))
+    assert torch.equal(aggregate_loss(loss, mask, "token-mean", num_tokens_global=123.0),
+                       aggregate_token_loss(loss, mask, 123.0))
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_micro_batches_sum_to_the_full_batch_value_and_gradient(mode):
+    loss = torch.tensor(LOSS, requires_grad=True)
+    mask = torch.tensor(MASK)
+    full = aggregate_loss(loss, mask, mode, norm_len=8)
+    (g_full,) = torch.autograd.grad(full, loss)
+    # Micro-batches [0], [1, 2], [3, 4], each trimmed to its own longest row as the trainer does, each
+    # divided by the GLOBAL counts (10 tokens, 4 sequences) and the constant norm_len:
+    #   seq-mean-token-sum:  6/4 + (4+11)/4 + 34/4 = 1.5 + 3.75 + 8.5 = 13.75
+    #   seq-mean-token-mean: 2/4 + (4+5.5)/4 + 8.5/4 = 0.5 + 2.375 + 2.125 = 5.0
+    parts = []
+    for rows, width in (([0], 3), ([1, 2], 2), ([3, 4], 4)):
+        parts.append(aggregate_loss(loss[rows, :width], mask[rows, :width], mode,
+                                    num_tokens_global=10, num_seqs_global=4, norm_len=8))
+    close(sum(parts), EXPECTED[mode])
+    (g_parts,) = torch.autograd.grad(sum(parts), loss)
+    torch.testing.assert_close(g_parts, g_full, atol=1e-7, rtol=0)
+    # local counts instead (the mean of per-micro-batch means) give a different number, e.g.
+    # seq-mean-token-mean: (2 + (4 + 5.5)/2 + 8.5/1) / 3 = 5.0833 instead of 5.0
+    naive = sum(aggregate_loss(loss[r], mask[r], mode, norm_len=8) for r in ([0], [1, 2], [3, 4])) / 3
+    assert abs(float(naive.detach()) - EXPECTED[mode]) > 0.05
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_random_split_over_ranks_and_micro_batches_sums_exactly(mode):
+    g = torch.Generator().manual_seed(4)
+    B, T = 13, 11
+    loss = torch.randn(B, T, generator=g)
+    start = torch.randint(0, 4, (B,), generator=g)
+    length = torch.randint(0, 8, (B,), generator=g)
+    pos = torch.arange(T)
+    mask = ((pos >= start[:, None]) & (pos < (start + length)[:, None])).float()   # prompt, response, padding
+    n_tok, n_seq = float(mask.sum()), float((mask.sum(1) > 0).sum())
+    full = aggregate_loss(loss, mask, mode, norm_len=7)
+    world = 2
+    total = 0.0
+    for rank in range(world):
+        shard = list(range(rank, B, world))
+        for i in range(0, len(shard), 2):                       # micro-batches of 2 rows
+            rows = shard[i:i + 2]
+            total = total + aggregate_loss(loss[rows], mask[rows], mode, n_tok, n_seq, norm_len=7)
+    torch.testing.assert_close(total, full, atol=1e-6, rtol=0)
+
+
+def test_aggregate_loss_errors_and_empty():
+    loss, mask = torch.tensor(LOSS), torch.tensor(MASK)
+    with pytest.raises(ConfigError) as e:
+        aggregate_loss(loss, mask, "seq-mean")
+    assert str(e.value) == ("algorithm.loss_agg_mode: unknown loss aggregation mode 'seq-mean'; use one of: "
+                            "token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="norm_len"):
+        aggregate_loss(loss, mask, "seq-mean-token-sum-norm")
+    for mode in LOSS_AGG_MODES:                      # no loss token anywhere -> 0, not NaN
+        close(aggregate_loss(loss, torch.zeros_like(mask), mode, norm_len=8), 0.0)
+        close(aggregate_loss(loss, torch.zeros_like(mask), mode, 0, 0, norm_len=8), 0.0)
+
+
+# ----------------------------------------------------------------------------- dual-clip PPO
+
+def _one_token_rows(ratios, advs):
+    lp = torch.tensor(ratios).log()[:, None]
+    return lp, torch.zeros_like(lp), torch.tensor(advs), torch.ones_like(lp)
+
+
+def test_dual_clip_on_negative_advantages():
+    # eps = 0.2 (clip range [0.8, 1.2]), clip_ratio_c = 3. Per token, with L1 = max(-rA, -clip(r)A):
+    #   r=5,  A=-1: L1 = max(5, 1.2) = 5;     A<0: min(5, -A*c = 3) = 3       (dual clip decides)
+    #   r=2,  A=-1: L1 = max(2, 1.2) = 2;     min(2, 3) = 2
+    #   r=5,  A=+1: L1 = max(-5, -1.2) = -1.2 (clipped; A >= 0: no dual clip)
+    #   r=.5, A=-1: L1 = max(.5, .8) = .8     (clipped); min(.8, 3) = .8
+    #   r=5,  A=-2: L1 = max(10, 2.4) = 10;   min(10, 6) = 6                  (dual clip decides)
+    lp, old, adv, mask = _one_token_rows([5.0, 2.0, 5.0, 0.5, 5.0], [-1.0, -1.0, 1.0, -1.0, -2.0])
+    loss, m = policy_loss(lp, old, adv, mask, 0.2, clip_ratio_c=3.0)
+    close(loss[:, 0], [3.0, 2.0, -1.2, 0.8, 6.0], atol=1e-5)
+    # clipped (pg_clipfrac = clip_frac): rows 2 and 3 -> 2/5; dual-clipped (pg_clipfrac_lower): rows 0, 4 -> 2/5
+    assert m["clip_frac"] == pytest.approx(0.4) and m["pg_clipfrac"] == m["clip_frac"]
+    assert m["pg_clipfrac_lower"] == pytest.approx(0.4)
+    # Without the dual clip rows 0 and 4 keep 5 and 10, and pg_clipfrac_lower is 0.
+    loss_none, m_none = policy_loss(lp, old, adv, mask, 0.2)
+    close(loss_none[:, 0], [5.0, 2.0, -1.2, 0.8, 10.0], atol=1e-5)
+    assert m_none["pg_clipfrac_lower"] == 0.0 and m_none["pg_clipfrac"] == pytest.approx(0.4)
+
+
+def test_dual_clipped_tokens_get_no_gradient():
+    # r = 5, A = -1: loss = 3 (constant) -> gradient 0. r = 2, A = -1: loss = -A * exp(lp) -> d/dlp = 2.
+    lp = torch.tensor([[math.log(5.0)], [math.log(2.0)]], requires_grad=True)
+    loss, _ = policy_loss(lp, torch.zeros(2, 1), torch.tensor([-1.0, -1.0]), torch.ones(2, 1), clip_ratio_c=3.0)
+    loss.sum().backward()
+    close(lp.grad, [[0.0], [2.0]], atol=1e-5)
+
+
+def test_dual_clip_matches_verl_compute_policy_loss():
+    g = torch.Generator().manual_seed(5)
+    lp, old = torch.randn(6, 10, generator=g) * 0.8, torch.randn(6, 10, generator=g) * 0.8
+    adv = torch.randn(6, 10, generator=g)
+    mask = (torch.rand(6, 10, generator=g) > 0.3).float()
+    ours, m = policy_loss(lp, old, adv, mask, 0.2, 0.28, clip_ratio_c=3.0)
+    # verl's compute_policy_loss body, per token
+    ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
+    pg1, pg2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - 0.2, 1 + 0.28)
+    clip1 = torch.maximum(pg1, pg2)
+    pg3 = -adv * 3.0
+    verl = torch.where(adv < 0, torch.min(pg3, clip1), clip1)
+    assert torch.equal(ours, verl * mask)
+    lower = (torch.gt(clip1, pg3) * (adv < 0).float() * mask).sum() / mask.sum()
+    assert m["pg_clipfrac_lower"] == pytest.approx(float(lower), abs=1e-7)
+    assert m["pg_clipfrac"] == pytest.approx(float((torch.gt(pg2, pg1).float() * mask).sum() / mask.sum()), abs=1e-7)
+
+
+def test_no_dual_clip_is_bit_identical_to_before():
+    g = torch.Generator().manual_seed(6)
+    lp, old = torch.randn(5, 7, generator=g), torch.randn(5, 7, generator=g)
+    adv = torch.randn(5, generator=g)
+    mask = (torch.rand(5, 7, generator=g) > 0.3).float()
+    loss, m = policy_loss(lp, old, adv, mask, 0.2, 0.28)
+    assert torch.equal(loss, _old_policy_loss(lp, old, adv, mask, 0.2, 0.28))
+    assert torch.equal(loss, policy_loss(lp, old, adv, mask, 0.2, 0.28, clip_ratio_c=None)[0])
+    assert {"clip_frac", "ratio_mean", "ratio_max", "approx_kl", "pg_clipfrac", "pg_clipfrac_lower"} == set(m)
+
+
+def test_clip_ratio_c_must_exceed_one():
+    lp, old, adv, mask = _one_token_rows([1.0], [1.0])
+    for c in (1.0, 0.5, -3.0):
+        with pytest.raises(ConfigError, match=r"algorithm\.clip_ratio_c: .*> 1"):
+            policy_loss(lp, old, adv, mask, clip_ratio_c=c)
+
+
+# ----------------------------------------------------------------------------- entropy bonus
+
+def test_entropy_bonus():
+    ent = torch.tensor([[1.0, 2.0, float("nan")], [3.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    close(entropy_bonus(ent, mask, 0.01), 0.02)                                  # 0.01 * (1+2+3)/3
+    close(entropy_bonus(ent, mask, 0.01, "seq-mean-token-mean"), 0.0225)         # 0.01 * (1.5 + 3)/2
+    close(entropy_bonus(ent, mask, 0.01, "seq-mean-token-sum-norm", norm_len=2), 0.015)    # 0.01 * (3+3)/2/2
+    close(entropy_bonus(ent, mask, 0.01, num_tokens_global=6), 0.01)            # 0.01 * 6 / 6 global tokens
+    assert torch.equal(entropy_bonus(torch.full((2, 3), float("nan")), mask, 0.0), torch.tensor(0.0))
+    # subtracting the bonus equals subtracting coef * entropy per token before aggregating (linear)
+    per_tok = torch.tensor([[0.5, -1.0, 0.0], [2.0, 0.0, 0.0]])
+    for mode in LOSS_AGG_MODES:
+        a = aggregate_loss(per_tok, mask, mode, norm_len=3) - entropy_bonus(ent, mask, 0.1, mode, norm_len=3)
+        b = aggregate_loss(per_tok - 0.1 * torch.nan_to_num(ent), mask, mode, norm_len=3)
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
+
+
+# ----------------------------------------------------------------------------- value loss
+
+def test_value_loss_clipping_by_hand():
+    # cliprange 0.2; vclip = clamp(vpred, old - 0.2, old + 0.2); L1 = (vpred - R)^2, L2 = (vclip - R)^2
+    #   vpred 1.0, old .5, R 1: vclip .7,  L1 0,    L2 .09 -> max .09  (clipped: L2 > L1)
+    #   vpred .6,  old .5, R 1: vclip .6,  L1 .16,  L2 .16 -> .16
+    #   vpred 0,   old .5, R 1: vclip .3,  L1 1,    L2 .49 -> 1
+    #   vpred .2,  old .5, R 0: vclip .3,  L1 .04,  L2 .09 -> .09  (clipped)
+    # token-mean: 0.5 * (.09 + .16 + 1 + .09) / 4 = 0.5 * 0.335 = 0.1675; vf_clipfrac 2/4
+    vpred = torch.tensor([[1.0, 0.6, 0.0, 0.2]], requires_grad=True)
+    old = torch.tensor([[0.5, 0.5, 0.5, 0.5]])
+    ret = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    mask = torch.ones(1, 4)
+    loss, m = value_loss(vpred, old, ret, mask, 0.2)
+    close(loss, 0.1675)
+    assert m["vf_loss"] == pytest.approx(0.1675) and m["vf_clipfrac"] == pytest.approx(0.5)
+    assert m["vpred_mean"] == pytest.approx(0.45)                           # (1 + .6 + 0 + .2) / 4
+    loss.backward()
+    # clipped tokens: constant -> 0; others d/dv 0.5 * (v - R)^2 / 4 = (v - R) / 4: -.4/4 = -.1, -1/4 = -.25
+    close(vpred.grad, [[0.0, -0.1, -0.25, 0.0]])
+    # no clip: 0.5 * (0 + .16 + 1 + .04) / 4 = 0.15
+    close(value_loss(vpred, old, ret, mask, None)[0], 0.15)
+
+
+def test_value_loss_matches_verl_and_sums_over_micro_batches():
+    g = torch.Generator().manual_seed(7)
+    vpred, old, ret = (torch.randn(6, 8, generator=g) for _ in range(3))
+    mask = (torch.rand(6, 8, generator=g) > 0.3).float()
+    for mode in LOSS_AGG_MODES:
+        loss, m = value_loss(vpred, old, ret, mask, 0.5, mode, norm_len=8)
+        clipped = torch.max(torch.min(vpred, old + 0.5), old - 0.5)            # verl_F.clip_by_value
+        l1, l2 = (vpred - ret) ** 2, (clipped - ret) ** 2
+        ref = 0.5 * aggregate_loss(torch.max(l1, l2), mask, mode, norm_len=8)
+        assert torch.equal(loss, ref)
+        assert m["vf_clipfrac"] == pytest.approx(float(((l2 > l1).float() * mask).sum() / mask.sum()))
+        n_tok, n_seq = float(mask.sum()), float((mask.sum(1) > 0).sum())
+        parts = sum(value_loss(vpred[r], old[r], ret[r], mask[r], 0.5, mode, n_tok, n_seq, 8)[0]
+                    for r in (slice(0, 1), slice(1, 4), slice(4, 6)))
+        torch.testing.assert_close(parts, loss, atol=1e-6, rtol=0)
+    with pytest.raises(ConfigError, match=r"critic\.cliprange_value: must be >= 0"):
+        value_loss(vpred, old, ret, mask, -0.1)
+
+
+def test_explained_variance():
+    # values [1,2,3], returns [1,2,4] on the mask (the 4th token is masked out):
+    # Var(R - V) = Var([0,0,1]) = (1/9+1/9+4/9)/2 = 1/3; Var(R) = Var([1,2,4]) = (16/9+1/9+25/9)/2 = 7/3
+    # EV = 1 - (1/3) / (7/3 + 1e-5) = 0.857143
+    v = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    r = torch.tensor([[1.0, 2.0, 4.0, -100.0]])
+    assert explained_variance(v, r, torch.tensor([[1.0, 1, 1, 0]])) == pytest.approx(1 - (1 / 3) / (7 / 3 + 1e-5))
+    assert explained_variance(r, r, torch.ones(1, 4)) == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------- whitening
+
+def test_whiten_stats_split_over_ranks_equals_whole_batch_and_verl():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 9, generator=g) * 2 + 1
+    mask = (torch.rand(6, 9, generator=g) > 0.4).float()
+    # stats: sum, sum of squares, count over the mask
+    s, ss, n = whiten_stats(x, mask)
+    close(s, float((x.double() * mask).sum()))
+    close(ss, float((x.double() ** 2 * mask).sum()))
+    assert float(n) == float(mask.sum())
+    local = masked_whiten(x, mask)
+    torch.testing.assert_close(local, (_verl_masked_whiten(x, mask) * mask).float(), atol=1e-6, rtol=0)
+    # two "ranks" all-reduce (sum) their stats, then whiten their own rows with the global mean/var
+    halves = (slice(0, 2), slice(2, 6))
+    summed = [sum(t) for t in zip(*(whiten_stats(x[h], mask[h]) for h in halves))]
+    mean, var = whiten_mean_var(*summed)
+    split = torch.cat([masked_whiten(x[h], mask[h], mean, var) for h in halves])
+    torch.testing.assert_close(split, local, atol=1e-6, rtol=0)
+    assert torch.equal(local * (1 - mask), torch.zeros_like(local))           # zero outside the mask
+    # shift_mean=False adds the mean back
+    torch.testing.assert_close(masked_whiten(x, mask, shift_mean=False), (local + float(mean)) * mask,
+                               atol=1e-6, rtol=0)
+
+
+def test_whiten_mean_var_hand_values():
+    # x = [1, 2, 4]: sum 7, sumsq 21, n 3 -> mean 7/3; ss = 21 - 49/3 = 14/3; unbiased var 7/3, biased 14/9
+    mean, var = whiten_mean_var(7.0, 21.0, 3.0)
+    assert float(mean) == pytest.approx(7 / 3) and float(var) == pytest.approx(7 / 3)
+    assert float(whiten_mean_var(7.0, 21.0, 3.0, unbiased=False)[1]) == pytest.approx(14 / 9)
+    assert [float(t) for t in whiten_mean_var(0.0, 0.0, 0.0)] == [0.0, 0.0]           # empty
+    assert [float(t) for t in whiten_mean_var(5.0, 25.0, 1.0)] == [5.0, 0.0]          # one token
+
+
+# ----------------------------------------------------------------------------- GAE
+
+def test_gae_one_sequence_by_hand():
+    # gamma 0.9, lam 0.8 (gamma*lam = 0.72); r = [0, 0, 1], V = [0.5, 0.4, 0.6], all tokens are actions.
+    #   t=2: delta = 1 + 0.9*0 - 0.6 = 0.4;              A2 = 0.4
+    #   t=1: delta = 0 + 0.9*0.6 - 0.4 = 0.14;           A1 = 0.14 + 0.72*0.4 = 0.428
+    #   t=0: delta = 0 + 0.9*0.4 - 0.5 = -0.14;          A0 = -0.14 + 0.72*0.428 = 0.16816
+    # returns = A + V = [0.66816, 0.828, 1.0]
+    adv, ret = gae_advantages(torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 0.4, 0.6]]),
+                              torch.ones(1, 3), 0.9, 0.8)
+    close(adv, [[0.16816, 0.428, 0.4]])
+    close(ret, [[0.66816, 0.828, 1.0]])
+
+
+def test_gae_two_sequences_with_prompt_padding_and_an_observation_token():
+    # Row 0: prompt at t=0, response t=1..3, padding t=4 (values 9 there must be ignored): the same numbers
+    #        as the one-sequence case, shifted by one -> A = [0, 0.16816, 0.428, 0.4, 0].
+    # Row 1: prompt t=0, response t=1,2, an observation token t=3 (mask 0: skipped, not a stop), response t=4.
+    #   r = [0,0,0,0,2], V = [7, 1.0, 0.5, 9, 1.5]
+    #   t=4: delta = 2 - 1.5 = 0.5;                            A4 = 0.5   (nextvalue <- 1.5, lastgae <- 0.5)
+    #   t=3: masked: nextvalue 1.5 and lastgae 0.5 carried over V=9
+    #   t=2: delta = 0 + 0.9*1.5 - 0.5 = 0.85;                 A2 = 0.85 + 0.72*0.5 = 1.21
+    #   t=1: delta = 0 + 0.9*0.5 - 1.0 = -0.55;                A1 = -0.55 + 0.72*1.21 = 0.3212
+    #   returns = A + V = [-, 1.3212, 1.71, -, 2.0]; masked positions are 0.
+    rewards = torch.tensor([[0.0, 0, 0, 1, 0], [0, 0, 0, 0, 2]])
+    values = torch.tensor([[9.0, 0.5, 0.4, 0.6, 9], [7, 1.0, 0.5, 9, 1.5]])
+    mask = torch.tensor([[0.0, 1, 1, 1, 0], [0, 1, 1, 0, 1]])
+    adv, ret = gae_advantages(rewards, values, mask, 0.9, 0.8)
+    close(adv, [[0, 0.16816, 0.428, 0.4, 0], [0, 0.3212, 1.21, 0, 0.5]])
+    close(ret, [[0, 0.66816, 0.828, 1.0, 0], [0, 1.3212, 1.71, 0, 2.0]])
+    # verl whitens the advantages over the mask tokens: masked_whiten gives that (and is not applied here)
+    torch.testing.assert_close(masked_whiten(adv, mask), (_verl_masked_whiten(adv, mask) * mask).float(),
+                               atol=1e-6, rtol=0)
+
+
+def test_gae_matches_verl_loop_on_response_only_layout():
+    # verl's loop (masked variant) on response-only tensors equals ours on the same rows behind a prompt.
+    g = torch.Generator().manual_seed(9)
+    B, R, P = 4, 7, 3
+    r, v = torch.randn(B, R, generator=g), torch.randn(B, R, generator=g)
+    lengths = torch.tensor([7, 3, 1, 5])
+    resp_mask = (torch.arange(R)[None] < lengths[:, None]).float()
+    nextvalues, lastgaelam, rev = 0, 0, []
+    for t in reversed(range(R)):
+        delta = r[:, t] + 0.95 * nextvalues - v[:, t]
+        lastgaelam_ = delta + 0.95 * 0.9 * lastgaelam
+        nextvalues = v[:, t] * resp_mask[:, t] + (1 - resp_mask[:, t]) * nextvalues
+        lastgaelam = lastgaelam_ * resp_mask[:, t] + (1 - resp_mask[:, t]) * lastgaelam
+        rev.append(lastgaelam)
+    verl_adv = torch.stack(rev[::-1], dim=1)
+    pad = torch.zeros(B, P)
+    adv, ret = gae_advantages(torch.cat([pad, r], 1), torch.cat([pad + 5, v], 1), torch.cat([pad, resp_mask], 1),
+                              0.95, 0.9)
+    assert torch.equal(adv[:, P:], verl_adv * resp_mask)
+    assert torch.equal(ret[:, P:], (verl_adv + v) * resp_mask)
+
+
+# ----------------------------------------------------------------------------- REINFORCE++
+
+def test_discounted_returns_and_reset_at_masked_positions():
+    # gamma 0.9. Row 0: response t=1..3, reward 1 on t=3 -> G = [0, 0.81, 0.9, 1, 0]
+    # Row 1: response t=2..4, reward 2 on t=4 -> [0, 0, 1.62, 1.8, 2]
+    # Row 2: mask [1,1,0,1,0], reward 1 on t=3: t=3 G=1; t=2 (masked) G = 0.9 then reset to 0;
+    #        t=1: G = 0; t=0: 0 -> [0, 0, 0, 1, 0]: verl's "reset after EOS" (GAE skips instead)
+    rewards = torch.tensor([[0.0, 0, 0, 1, 0], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0]])
+    mask = torch.tensor([[0.0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [1, 1, 0, 1, 0]])
+    close(discounted_returns(rewards, mask, 0.9), [[0, 0.81, 0.9, 1, 0], [0, 0, 1.62, 1.8, 2], [0, 0, 0, 1, 0]])
+
+
+def test_reinforce_pp_returns_whitened_over_tokens():
+    # Returns on the 6 mask tokens: [0.81, 0.9, 1, 1.62, 1.8, 2]: mean 8.13/6 = 1.355;
+    # squared deviations .297025 + .207025 + .126025 + .070225 + .198025 + .416025 = 1.31435, var = 1.31435/5
+    rewards = torch.tensor([[0.0, 0, 0, 1, 0], [0, 0, 0, 0, 2]])
+    mask = torch.tensor([[0.0, 1, 1, 1, 0], [0, 0, 1, 1, 1]])
+    adv, ret = reinforce_pp_returns(rewards, mask, 0.9)
+    std = math.sqrt(1.31435 / 5 + 1e-8)
+    vals = [0.81, 0.9, 1.0, 1.62, 1.8, 2.0]
+    close(adv[mask != 0], [(v - 1.355) / std for v in vals], atol=1e-5)
+    assert torch.equal(adv[mask == 0], torch.zeros(4))
+    close(ret[mask != 0], vals)
+    # passing the statistics in (e.g. all-reduced over ranks) gives the same
+    mean, var = whiten_mean_var(*whiten_stats(ret, mask))
+    torch.testing.assert_close(reinforce_pp_returns(rewards, mask, 0.9, mean, var)[0], adv, atol=0, rtol=0)
+
+
+def test_reinforce_pp_baseline_token_whitening_by_hand():
+    # groups: 0 = [1, 0] (centred +.5, -.5), 1 = [2, 2] (all equal: 0, 0), 2 = [3] (singleton: verl keeps 3)
+    # response tokens per row: 2, 1, 1, 2, 1 -> x over the 7 tokens: .5,.5 | -.5 | 0 | 0,0 | 3
+    # mean = 3.5/7 = 0.5; squared deviations 0,0,1,.25,.25,.25,6.25 = 8 -> unbiased var 8/6 = 4/3
+    # A = (x - .5) / sqrt(4/3): row0 0, row1 -1/sqrt(4/3) = -0.866025, rows 2, 3 -0.433013, row4 2.165064
+    rewards = torch.tensor([1.0, 0.0, 2.0, 2.0, 3.0])
+    groups = torch.tensor([0, 0, 1, 1, 2])
+    mask = torch.tensor([[0.0, 1, 1], [0, 1, 0], [1, 0, 0], [1, 1, 0], [0, 0, 1]])
+    a = reinforce_pp_baseline_token_advantages(rewards, groups, mask)
+    s = math.sqrt(4 / 3 + 1e-8)
+    close(a, [[0, 0, 0], [0, -1 / s, 0], [-0.5 / s, 0, 0], [-0.5 / s, -0.5 / s, 0], [0, 0, 2.5 / s]], atol=1e-6)
+    assert a.dtype == torch.float32
+    # keep_singletons=False: x = .5,.5 | -.5 | 0 | 0,0 | 0: mean 1/14; squared deviations
+    # 2*(3/7)^2 + (4/7)^2 + 4*(1/14)^2 = 18/49 + 16/49 + 1/49 = 5/7 -> var 5/42
+    a0 = reinforce_pp_baseline_token_advantages(rewards, groups, mask, keep_singletons=False)
+    s0 = math.sqrt(5 / 42 + 1e-8)
+    close(a0, [[0, 3 / 7 / s0, 3 / 7 / s0], [0, -4 / 7 / s0, 0], [-1 / 14 / s0, 0, 0],
+               [-1 / 14 / s0, -1 / 14 / s0, 0], [0, 0, -1 / 14 / s0]], atol=1e-6)
+    close(group_centred_rewards(rewards, groups), [0.5, -0.5, 0.0, 0.0, 3.0])
+    close(group_centred_rewards(rewards, groups, keep_singletons=False), [0.5, -0.5, 0.0, 0.0, 0.0])
+
+
+def test_reinforce_pp_baseline_token_matches_verl_and_sample_version_is_unchanged():
+    g = torch.Generator().manual_seed(10)
+    N, T = 12, 6
+    rewards = torch.randint(0, 3, (N,), generator=g).float()
+    groups = torch.arange(N) // 4                       # 3 groups of 4
+    lengths = torch.randint(1, T + 1, (N,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    # verl's body: centre by group mean, tile, whiten over the mask tokens, * mask
+    mean_g = torch.stack([rewards[groups == k].mean() for k in range(3)])
+    scores = (rewards - mean_g[groups])[:, None].tile(1, T) * mask
+    verl = _verl_masked_whiten(scores, mask) * mask
+    torch.testing.assert_close(reinforce_pp_baseline_token_advantages(rewards, groups, mask), verl.float(),
+                               atol=1e-5, rtol=0)
+    # the per-sample estimator keeps its numbers (whitened over samples, not tokens): hand value of
+    # tests/unit/test_algorithms.py::test_reinforce_pp_values
+    s = math.sqrt(0.6)
+    close(reinforce_pp_advantages(torch.tensor([1.0, 0, 0, 1, 2, 4]), torch.tensor([0, 0, 0, 0, 7, 7])),
+          [0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s, -1 / s, 1 / s], atol=1e-5)
