@@ -17,7 +17,7 @@ from actors.common import actor_env, get
 from actors.coordinator import WeightSyncCoordinator
 from actors.placement import allocate
 from actors.recovery import EngineRecovery
-from actors.reward import RewardActor
+from actors.reward import start_reward_workers
 from actors.rollout import RolloutActor, sampling_params
 from actors.rollout_manager import RolloutManager
 from actors.trainer import TrainerGroup
@@ -58,6 +58,15 @@ def engine_env(env: dict, ecfg) -> dict:
     if not extra:
         return env
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [extra, env.get("PYTHONPATH")]))}
+
+
+def critic_kwargs(cfg) -> dict:
+    """The critic role's settings for the trainer ranks (used only by critic-based algorithms)."""
+    c, t = cfg.critic, cfg.trainer
+    return dict(model_path=c.model_path, lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps,
+                zero_stage=t.zero_stage if c.zero_stage is None else c.zero_stage, grad_clip=t.grad_clip, bf16=t.bf16,
+                seed=cfg.experiment.seed, cliprange_value=c.cliprange_value, gradient_checkpointing=t.gradient_checkpointing,
+                micro_batch_size=t.micro_batch_size if c.micro_batch_size is None else c.micro_batch_size)
 
 
 class Cluster(EngineRecovery):
@@ -125,19 +134,15 @@ class Cluster(EngineRecovery):
                 self.engines[ename] = self._make_engine(ename)
                 self.sampling[ename] = ecfg.sampling
                 sleep_levels[ename] = ecfg.sleep_level
-        self.rewarders = [RewardActor.options(name=f"{name}-reward-{i}", runtime_env={"env_vars": env}).remote(cfg.reward.function)
-                          for i in range(cfg.reward.num_workers)]
+        self.rewarders = start_reward_workers(cfg, name, env)   # builds builtin:tiny-rm first; a GPU only for reward.device cuda
         tkw = dict(zero_stage=cfg.trainer.zero_stage, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
-                   grad_clip=cfg.trainer.grad_clip, bf16=cfg.trainer.bf16, clip_eps=cfg.algorithm.clip_eps,
-                   clip_eps_high=cfg.algorithm.clip_eps_high, kl_coef=cfg.algorithm.kl_coef,
-                   kl_estimator=cfg.algorithm.kl_estimator, temperature=cfg.engines[0].sampling.temperature,
+                   grad_clip=cfg.trainer.grad_clip, bf16=cfg.trainer.bf16, algorithm=cfg.algorithm.model_dump(),
+                   temperature=cfg.engines[0].sampling.temperature,
                    ppo_epochs=cfg.trainer.ppo_epochs, seed=cfg.experiment.seed,
                    micro_batch_size=cfg.trainer.micro_batch_size, gradient_checkpointing=cfg.trainer.gradient_checkpointing,
                    max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch, packing=cfg.trainer.packing,
                    attn=cfg.trainer.attn, logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens,
-                   peak_tflops=cfg.trainer.peak_tflops,
-                   off_policy=cfg.algorithm.off_policy,
-                   off_policy_kwargs={k: getattr(cfg.algorithm, k) for k in ("tis_cap", "mis_low", "mis_high", "decoupled_cap")})
+                   peak_tflops=cfg.trainer.peak_tflops, critic=critic_kwargs(cfg))
         # Engines first: vLLM sizes its memory from what is free when it starts, and a colocated trainer
         # allocating meanwhile would skew that; then colocated engines sleep while the trainer starts.
         get([e.device_ids.remote() for e in self.engines.values()], self.timeout, "engines to start", EngineError)
@@ -157,7 +162,7 @@ class Cluster(EngineRecovery):
         a, r = cfg.algorithm, cfg.rollout
         settings = dict(prompts_per_step=cfg.data.prompts_per_step, group_size=a.group_size, max_staleness=r.max_staleness,
                         dispatch_groups=r.dispatch_groups, filter_groups=r.filter_groups, filter_max_draws=r.filter_max_draws,
-                        algorithm=a.name, norm_adv_by_std=a.norm_adv_by_std, pad_id=pad_id, num_ranks=cfg.trainer.num_ranks,
+                        algorithm=a.model_dump(), pad_id=pad_id, num_ranks=cfg.trainer.num_ranks,
                         balance_tokens=bool(cfg.trainer.max_tokens_per_micro_batch),
                         engine_stall_s=cfg.fault_tolerance.engine_stall_s,
                         health_interval_s=cfg.fault_tolerance.health_interval_s)

@@ -1,26 +1,35 @@
-"""Reward actors: score decoded responses with the user's rule-based function, off the driver.
+"""Reward actors: score decoded responses off the driver, with the user's rule-based function, a learned
+reward model, or both (reward = function_weight * fn + model_weight * rm; rlhf_orch/rewards/scorer.py).
 
-The function is imported (and its signature checked) at config time by the driver; the actor imports
-it again in its own process. A function that raises or returns a non-finite or non-number value
-fails the step with a RewardError naming the function and the offending row.
+The function is imported (and its signature checked) at config time by the driver, and the reward model's
+folder is checked there too; the actor loads both again in its own process. `builtin:tiny-rm` is built into
+`<output_dir>/models/` by the driver (`start_reward_workers`) before any worker starts, so the workers only
+load a folder. A worker with `reward.device: cuda` asks Ray for one GPU; on cpu it asks for nothing.
+A function that raises or returns a non-finite or non-number value fails the step with a RewardError naming
+the function and the offending row.
 """
 from __future__ import annotations
 
-import math
+from pathlib import Path
 
 import ray
 
 from actors.common import setup_process
-from rlhf_orch.config import load_reward_fn
-from rlhf_orch.errors import RewardError
 
 
 @ray.remote(num_cpus=0)
 class RewardActor:
-    def __init__(self, function: str):
-        setup_process("cpu")
-        self.path = function
-        self.fn = load_reward_fn(function)
+    def __init__(self, function: str | None, model_path: str | None = None, function_weight: float = 1.0,
+                 model_weight: float = 1.0, device: str = "cpu", batch_size: int = 16, dtype: str = "float32"):
+        setup_process(device if model_path else "cpu")
+        from rlhf_orch.rewards.scorer import RewardScorer
+
+        model = None
+        if model_path:
+            from rlhf_orch.rewards.model import RewardModel
+            model = RewardModel(model_path, device=device, dtype=dtype, batch_size=batch_size)
+        self.scorer = RewardScorer(function, model, function_weight, model_weight)
+        self.path = self.scorer.path
 
     def health(self) -> dict:
         """A cheap liveness probe: this worker's process id."""
@@ -28,15 +37,29 @@ class RewardActor:
         return {"pid": os.getpid()}
 
     def score(self, items: list[tuple[str, dict]]) -> list[float]:
-        out = []
-        for response, row in items:
-            try:
-                value = self.fn(response, row)
-            except Exception as e:
-                raise RewardError(f"reward.function {self.path} raised {type(e).__name__}: {e} "
-                                  f"on response {response!r} for prompt {row.get('prompt')!r}") from None
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise RewardError(f"reward.function {self.path} returned {value!r} for prompt {row.get('prompt')!r}; "
-                                  "it must return a finite float")
-            out.append(float(value))
-        return out
+        return self.scorer.score(items)
+
+    def score_parts(self, items: list[tuple[str, dict]]) -> dict[str, list[float]]:
+        """The rewards and each source's values ("function", "model"), for per-source metrics."""
+        return self.scorer.score_parts(items)
+
+
+def resolve_reward_model(cfg) -> str | None:
+    """reward.model_path as a folder: builtin:tiny-rm is built (once) under <output_dir>/models/, like the policy."""
+    from rlhf_orch.models.reward_tiny import RM_BUILTIN, ensure_reward_model_dir
+
+    path = cfg.reward.model_path
+    if path == RM_BUILTIN:
+        path = str(ensure_reward_model_dir(cfg.model.tiny, Path(cfg.experiment.output_dir) / "models",
+                                           cfg.experiment.seed).resolve())
+    return path
+
+
+def start_reward_workers(cfg, name: str, env: dict) -> list:
+    """`reward.num_workers` RewardActors named <name>-reward-<i>, each hosting the configured reward sources."""
+    r = cfg.reward
+    model_path = resolve_reward_model(cfg)
+    resources = {"num_gpus": 1} if model_path and r.device == "cuda" else {}
+    return [RewardActor.options(name=f"{name}-reward-{i}", runtime_env={"env_vars": env}, **resources).remote(
+                r.function, model_path, r.function_weight, r.model_weight, r.device, r.batch_size, r.dtype)
+            for i in range(r.num_workers)]

@@ -28,6 +28,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.common import setup_process
+from rlhf_orch.algorithms.base import make_algorithm
 from rlhf_orch.errors import ACTOR_DIED, EngineError, RewardError, RLHFOrchError, RolloutError
 from rlhf_orch.metrics.timeline import Timeline
 from rlhf_orch.rollout import GroupScheduler
@@ -43,6 +44,7 @@ class RolloutManager:
         setup_process("cpu")
         self.engines, self.rewarders, self.dataset, self.params = engines, rewarders, dataset, params
         self.s = settings
+        self.algorithm = make_algorithm(settings["algorithm"])   # its outcome advantages make each step's batch
         self.sched: GroupScheduler | None = None
         self.error: RLHFOrchError | None = None
         self.timeline = Timeline(t0)
@@ -105,7 +107,7 @@ class RolloutManager:
         filtered = self.sched.take(groups)
         s = self.s
         ready, dispatched = max(g.ready_at for g in groups), min(g.dispatched_at for g in groups)
-        sb = assemble(groups, step - 1, s["max_staleness"], s["algorithm"], s["norm_adv_by_std"], s["pad_id"],
+        sb = assemble(groups, step - 1, s["max_staleness"], self.algorithm, s["pad_id"],
                       s["num_ranks"], ready - dispatched, balance_tokens=s.get("balance_tokens", False))
         led = self.sched.ledger()
         metrics = {**sb.metrics, "rollout/groups_filtered": float(filtered),

@@ -39,7 +39,16 @@ class TrainerActor:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         from rlhf_orch.trainer.deepspeed_trainer import DeepSpeedTrainer
+        kwargs = dict(kwargs)
+        critic = kwargs.pop("critic", None)
         self.trainer = DeepSpeedTrainer(model_path, self.rank, self.world_size, device=self.device, **kwargs)
+        self.critic = None
+        if self.trainer.algo.needs_critic:   # the critic role, colocated with this policy rank (same process group)
+            from rlhf_orch.trainer.critic import DeepSpeedCritic
+            c = dict(critic or {})
+            self.critic_warmup = c.pop("warmup_steps", 0)
+            self.critic = DeepSpeedCritic(c.pop("model_path") or model_path, self.rank, self.world_size,
+                                          device=self.trainer.device, **c)
         return self.device_id()
 
     def health(self) -> dict:
@@ -59,7 +68,11 @@ class TrainerActor:
         colocation plan of `trainer.offload: auto` reads it; max over ranks)."""
         from rlhf_orch.gpu_memory import peak_reserved_gb, reset_peak
         reset_peak(self.trainer.device)
-        m = self.trainer.train_step(batch, num_tokens_global)
+        if self.critic is not None:
+            from rlhf_orch.trainer.ppo_step import critic_step
+            m = critic_step(self.trainer, self.critic, self.critic_warmup, batch, num_tokens_global)
+        else:
+            m = self.trainer.train_step(batch, num_tokens_global)
         peak = peak_reserved_gb(self.trainer.device)
         return m if peak is None else {**m, "mem/trainer_peak_gb_max": peak}
 
@@ -70,10 +83,16 @@ class TrainerActor:
         self.trainer.snapshot_reference(path, reuse)
 
     def load_checkpoint(self, directory: str, tag: str) -> dict:
-        return self.trainer.load_checkpoint(directory, tag)
+        out = self.trainer.load_checkpoint(directory, tag)
+        if self.critic is not None:
+            self.critic.load_checkpoint(os.path.join(directory, tag), "critic")
+        return out
 
     def save_checkpoint(self, directory: str, tag: str, client_state: dict) -> str:
-        return self.trainer.save_checkpoint(directory, tag, client_state)
+        path = self.trainer.save_checkpoint(directory, tag, client_state)
+        if self.critic is not None:   # inside the policy's tag folder, so the manifest and commit cover it
+            self.critic.save_checkpoint(path, "critic")
+        return path
 
     def export_hf(self, directory: str) -> None:
         self.trainer.export_hf(directory)

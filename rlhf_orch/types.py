@@ -71,10 +71,11 @@ class TrainBatch:
     input_ids: torch.Tensor            # [B, T] long
     attention_mask: torch.Tensor       # [B, T] long, 1 on real tokens
     response_mask: torch.Tensor        # [B, T] float, 1 on generated tokens
-    advantages: torch.Tensor           # [B] float, one per sequence (broadcast over its tokens)
+    advantages: torch.Tensor           # [B] float, one per sequence (broadcast over its tokens), or [B, T] per token
     engine_logprobs: torch.Tensor      # [B, T] float, rollout engine's logprobs (0 off-response)
     old_logprobs: torch.Tensor | None = None   # [B, T], trainer's logprobs before the update
     ref_logprobs: torch.Tensor | None = None   # [B, T], frozen reference model's logprobs
+    rewards: torch.Tensor | None = None        # [B], the outcome reward of each sample (critic-based algorithms)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -86,9 +87,9 @@ class TrainBatch:
         return TrainBatch(*(take(getattr(self, f)) for f in self.__dataclass_fields__))
 
     def trim(self, width: int) -> "TrainBatch":
-        """The first `width` positions of every token tensor (dropping right padding); advantages unchanged."""
+        """The first `width` positions of every token tensor (dropping right padding); per-sequence tensors unchanged."""
         def cut(name, t):
-            return t if t is None or name == "advantages" else t[:, :width]
+            return t if t is None or t.dim() < 2 else t[:, :width]
         return TrainBatch(*(cut(f, getattr(self, f)) for f in self.__dataclass_fields__))
 
 

@@ -14,6 +14,9 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlhf_orch.models.tiny import TinyModelSpec
+from pydantic import field_validator   # RewardSection's validators
+from pydantic_core import PydanticCustomError   # their messages, without pydantic's "Value error," prefix
+from rlhf_orch.rewards import NO_FUNCTION
 
 
 class _Section(BaseModel):
@@ -48,17 +51,85 @@ class DataSection(_Section):
 
 
 class RewardSection(_Section):
-    function: str = Field("rlhf_orch.rewards.builtin:exact_match", description="Dotted path 'package.module:function' of fn(response: str, row: dict) -> float.")
+    """Reward sources: reward = function_weight * function + model_weight * reward model (either may be absent).
+
+    Checked here, before any actor starts: a model folder that is missing, not a sequence classifier or has more
+    than one label; no source at all; both weights zero. Each problem is one line naming the field and the fix."""
+    function: str = Field("rlhf_orch.rewards.builtin:exact_match", description="Dotted path 'package.module:function' "
+                          "of fn(response: str, row: dict) -> float; null (or '') for none: the reward model alone "
+                          "(stored as rlhf_orch.rewards:no_function).")
     num_workers: int = Field(1, ge=1, description="Reward actors scoring in parallel.")
+    function_weight: float = Field(1.0, allow_inf_nan=False, description="Weight of the function's reward in the sum "
+                                   "(with the default 1.0 and no model, rewards are the function's, bit for bit).")
+    model_path: str | None = Field(None, validate_default=True, description="Learned reward model: a local Hugging Face "
+                                   "folder holding an AutoModelForSequenceClassification with num_labels=1 and its "
+                                   "tokenizer, or 'builtin:tiny-rm' (a random tiny Llama classifier with the built-in "
+                                   "tokenizer, built under <output_dir>/models/). It scores prompt + response: the logit "
+                                   "at the last non-pad token. null: no model.")
+    model_weight: float = Field(1.0, allow_inf_nan=False, description="Weight of the reward model's score in the sum.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where reward workers run the reward model (cuda: each "
+                                           "worker asks Ray for one GPU outside the trainer's and engines' placement).")
+    batch_size: int = Field(16, ge=1, description="Sequences per reward-model forward pass.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Reward-model dtype.")
+
+    @field_validator("function", mode="before")
+    @classmethod
+    def _null_function(cls, v):
+        return NO_FUNCTION if v is None or (isinstance(v, str) and not v.strip()) else v
+
+    @field_validator("model_path")
+    @classmethod
+    def _check_model_path(cls, v, info):
+        return checked_reward_model_path(v, info.data.get("function"))
+
+    @field_validator("model_weight")
+    @classmethod
+    def _check_weights(cls, v, info):
+        if v == 0 and info.data.get("function_weight") == 0:
+            raise PydanticCustomError("reward_weights", "reward.function_weight and reward.model_weight are both 0, so "
+                                      "every reward would be 0; set one of them to a non-zero weight")
+        return v
+
+
+def checked_reward_model_path(path: str | None, function: str | None) -> str | None:
+    """reward.model_path as given, or raise a PydanticCustomError naming what is wrong and the fix (no weights load)."""
+    from rlhf_orch.models.tiny import BUILTIN_PREFIX
+
+    if path is None or not str(path).strip():
+        if function == NO_FUNCTION:
+            raise PydanticCustomError("reward_source", "no reward source: reward.function is null and reward.model_path "
+                                      "is not set; set reward.function to 'package.module:function' or reward.model_path "
+                                      "to a reward-model folder (or builtin:tiny-rm)")
+        return None
+    if path.startswith(BUILTIN_PREFIX):
+        if path != "builtin:tiny-rm":
+            raise PydanticCustomError("reward_model_path", "unknown built-in reward model; the only one is builtin:tiny-rm")
+        return path
+    from rlhf_orch.rewards.model import reward_model_problem
+    problem = reward_model_problem(path)
+    if problem:
+        raise PydanticCustomError("reward_model_path", problem)
+    return path
 
 
 class AlgorithmSection(_Section):
-    name: str = Field("grpo", description="Advantage estimator: grpo, rloo or reinforce_pp.")
+    name: str = Field("grpo", description="Algorithm (rlhf_orch/algorithms/, one module each): grpo, rloo, reinforce_pp "
+                      "(group baselines, no critic) or ppo (a critic and GAE; see the critic section).")
     group_size: int = Field(8, ge=1, description="Samples per prompt (n).")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (low side).")
     clip_eps_high: float | None = Field(None, gt=0, description="Upper clip range (default: clip_eps).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of KL(policy || frozen reference) in the loss; 0 disables the reference.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator used in the loss and in metrics.")
+    kl_estimator: str = Field("k3", description="KL estimator in the loss and metrics: k1, k2, k3 (ours: unclamped), or "
+                              "verl's names kl, abs, mse, low_var_kl (verl's clamped k3); a '+' suffix (k3+, low_var_kl+) "
+                              "keeps the value and takes k2's gradient (straight-through), as verl.")
+    loss_agg_mode: str = Field("token-mean", description="verl's loss_agg_mode: token-mean, seq-mean-token-sum, "
+                               "seq-mean-token-mean or seq-mean-token-sum-norm (over the whole step, however it is split).")
+    loss_norm_len: float | None = Field(None, gt=0, description="seq-mean-token-sum-norm: the constant length the token "
+                                        "sums are divided by (Dr. GRPO; e.g. sampling.max_new_tokens).")
+    clip_ratio_c: float | None = Field(None, gt=1, description="Dual-clip PPO (verl's clip_ratio_c, e.g. 3.0): bounds the loss "
+                                       "of negative-advantage tokens at clip_ratio_c * |A| (null: off).")
+    entropy_coeff: float = Field(0.0, ge=0, description="Entropy bonus weight (verl's entropy_coeff): the loss subtracts "
+                                 "entropy_coeff x the entropy, aggregated like the loss.")
     norm_adv_by_std: bool = Field(True, description="grpo only: divide by the group std (False: Dr.GRPO-style centring).")
     off_policy: Literal["none", "tis", "mis", "decoupled"] = Field("none", description="Correction for samples "
         "the engine drew from another policy (stale weights, kernel mismatch): none; tis (truncated importance "
@@ -68,6 +139,24 @@ class AlgorithmSection(_Section):
     mis_low: float = Field(0.5, ge=0, lt=1, description="mis: tokens with importance weight below this are masked.")
     mis_high: float = Field(2.0, gt=1, description="mis: tokens with importance weight above this are masked.")
     decoupled_cap: float = Field(5.0, gt=1, description="decoupled: tokens whose behaviour importance weight exceeds this are masked.")
+    gamma: float = Field(1.0, ge=0, le=1, description="ppo: discount of GAE (verl's algorithm.gamma).")
+    lam: float = Field(1.0, ge=0, le=1, description="ppo: GAE lambda (verl's algorithm.lam).")
+
+
+class CriticSection(_Section):
+    """The value model of critic-based algorithms (ppo); ignored by the others. One critic rank lives beside
+    each policy rank (same devices, same process group)."""
+    model_path: str | None = Field(None, description="Causal LM folder the critic starts from (its LM head is replaced "
+                                   "by a value head); default: the policy's model.")
+    lr: float = Field(1e-3, gt=0, description="The critic's own AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    zero_stage: Literal[0, 1, 2, 3] | None = Field(None, description="DeepSpeed ZeRO stage (default: trainer.zero_stage).")
+    cliprange_value: float = Field(0.5, gt=0, description="Value clipping around the values the step started with "
+                                   "(verl's critic.cliprange_value).")
+    warmup_steps: int = Field(0, ge=0, description="Steps that train only the critic before the policy starts "
+                              "(verl's trainer.critic_warmup).")
+    micro_batch_size: int | None = Field(None, ge=0, description="Sequences per critic forward/backward (default: "
+                                         "trainer.micro_batch_size).")
 
 
 class TrainerSection(_Section):
@@ -212,6 +301,7 @@ class ExperimentConfig(_Section):
     data: DataSection = Field(default_factory=DataSection, description="Prompt dataset.")
     reward: RewardSection = Field(default_factory=RewardSection, description="Reward function.")
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection, description="RL algorithm.")
+    critic: CriticSection = Field(default_factory=CriticSection, description="Value model (ppo).")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="DeepSpeed trainer group.")
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="Streaming rollouts and staleness.")
     engines: list[EngineConfig] = Field(min_length=1, description="Rollout engines, one entry per kind/placement.")
@@ -231,11 +321,27 @@ class ExperimentConfig(_Section):
 
 def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
     """Every rule that involves more than one field. Each message names the field and the fix."""
-    from rlhf_orch.algorithms import ADVANTAGE_ESTIMATORS
+    from rlhf_orch.algorithms.base import algorithm_names, make_algorithm
 
     p: list[str] = []
-    if cfg.algorithm.name not in ADVANTAGE_ESTIMATORS:
-        p.append(f"algorithm.name: unknown estimator {cfg.algorithm.name!r}; use one of: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+    if cfg.algorithm.name not in algorithm_names():
+        p.append(f"algorithm.name: unknown algorithm {cfg.algorithm.name!r}; use one of: {', '.join(algorithm_names())}")
+    else:
+        from rlhf_orch.algorithms.losses import KL_ESTIMATORS, LOSS_AGG_MODES
+        if cfg.algorithm.kl_estimator not in KL_ESTIMATORS:
+            p.append(f"algorithm.kl_estimator: unknown KL estimator {cfg.algorithm.kl_estimator!r}; use one of: "
+                     f"{', '.join(KL_ESTIMATORS)}")
+        if cfg.algorithm.loss_agg_mode not in LOSS_AGG_MODES:
+            p.append(f"algorithm.loss_agg_mode: unknown loss aggregation mode {cfg.algorithm.loss_agg_mode!r}; use one of: "
+                     f"{', '.join(LOSS_AGG_MODES)}")
+        algo = make_algorithm({**cfg.algorithm.model_dump(), "loss_agg_mode": "token-mean"})   # mode checked above
+        p.extend(algo.problems())
+        if cfg.algorithm.loss_agg_mode == "seq-mean-token-sum-norm" and not cfg.algorithm.loss_norm_len:
+            p.append("algorithm.loss_norm_len: loss_agg_mode seq-mean-token-sum-norm divides by a constant length; "
+                     "set it (e.g. the engines' sampling.max_new_tokens)")
+        if algo.needs_critic and cfg.trainer.offload:
+            p.append(f"trainer.offload: {algo.name}'s critic does not offload yet, so it cannot hand its GPU to colocated "
+                     "engines; set trainer.offload: false (and sleep_level: 0) or use a critic-free algorithm")
     colocated = sum(e.count for e in cfg.engines if e.placement == "colocated")
     if colocated > cfg.trainer.num_ranks:
         p.append(f"engines: {colocated} colocated engines but trainer.num_ranks is {cfg.trainer.num_ranks}; "

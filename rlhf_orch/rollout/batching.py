@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlhf_orch.algorithms import compute_advantages
+from rlhf_orch.algorithms.base import Algorithm
 from rlhf_orch.algorithms.off_policy import staleness_histogram
 from rlhf_orch.rollout.scheduler import Group
 from rlhf_orch.rollout_utils import check_versions, rollout_metrics
@@ -30,7 +30,7 @@ class StepBatch:
     sources: list[list[int]] = field(default_factory=list)   # (epoch, row) of each group, for the ledger
 
 
-def assemble(groups: list[Group], trained_version: int, max_staleness: int, algorithm: str, norm_adv_by_std: bool,
+def assemble(groups: list[Group], trained_version: int, max_staleness: int, algorithm: Algorithm,
              pad_id: int, num_ranks: int, gen_seconds: float, balance_tokens: bool = False) -> StepBatch:
     prompts: list[Prompt] = []
     samples: list[Sample] = []
@@ -45,8 +45,8 @@ def assemble(groups: list[Group], trained_version: int, max_staleness: int, algo
     check_versions(samples, trained_version, max_staleness)
     reward_t = torch.tensor(rewards)
     group_ids = torch.tensor([s.prompt_index for s in samples])
-    adv = compute_advantages(algorithm, reward_t, group_ids, **({"norm_by_std": norm_adv_by_std} if algorithm == "grpo" else {}))
-    batch = build_train_batch(samples, adv, pad_id)
+    adv = algorithm.outcome_advantages(reward_t, group_ids)
+    batch = build_train_batch(samples, adv, pad_id, rewards=reward_t)
     metrics = rollout_metrics(prompts, samples, reward_t, adv, gen_seconds)
     metrics.update(staleness_metrics(samples, trained_version, max_staleness))
     metrics["rollout/groups"] = float(len(groups))

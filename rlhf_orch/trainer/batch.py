@@ -14,7 +14,8 @@ import torch
 from rlhf_orch.types import Sample, TrainBatch
 
 
-def build_train_batch(samples: Sequence[Sample], advantages: torch.Tensor, pad_id: int) -> TrainBatch:
+def build_train_batch(samples: Sequence[Sample], advantages: torch.Tensor, pad_id: int,
+                      rewards: torch.Tensor | None = None) -> TrainBatch:
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     width = max(len(s) for s in seqs)
     B = len(samples)
@@ -28,7 +29,8 @@ def build_train_batch(samples: Sequence[Sample], advantages: torch.Tensor, pad_i
         attn[b, :n] = 1
         resp[b, p:n] = 1.0
         eng_lp[b, p:n] = torch.tensor(s.logprobs, dtype=torch.float32)
-    return TrainBatch(ids, attn, resp, advantages.float().clone(), eng_lp)
+    return TrainBatch(ids, attn, resp, advantages.float().clone(), eng_lp,
+                      rewards=None if rewards is None else rewards.float().clone())
 
 
 def build_sft_batch(prompts: Sequence[list[int]], answers: Sequence[list[int]], pad_id: int) -> TrainBatch:

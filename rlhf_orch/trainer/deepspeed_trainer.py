@@ -1,7 +1,7 @@
 """One data-parallel rank of the policy trainer: a DeepSpeed engine over a Hugging Face causal LM.
 
-It computes token logprobs, takes clipped policy-gradient steps (with optional KL to a frozen
-reference), runs the optional supervised warm start, saves checkpoints, and yields `(hf_name,
+It computes token logprobs, takes policy-gradient steps on the loss its `Algorithm` defines (with the
+frozen reference's logprobs when the algorithm keeps KL in the loss), runs the optional supervised warm start, saves checkpoints, and yields `(hf_name,
 full_tensor)` for weight sync, gathering ZeRO-3 partitions one bucket-sized group at a time. This is
 the only module that imports DeepSpeed. It knows nothing of Ray or of the engines: the actor shell
 sets the rendezvous environment and calls these methods on every rank in lockstep.
@@ -30,8 +30,8 @@ from typing import Iterator
 
 import torch
 
-from rlhf_orch.algorithms import aggregate_token_loss, kl_divergence, masked_mean, policy_loss
-from rlhf_orch.algorithms.off_policy import off_policy_weights
+from rlhf_orch.algorithms import aggregate_token_loss, masked_mean
+from rlhf_orch.algorithms.base import make_algorithm
 from rlhf_orch.errors import TrainerError
 from rlhf_orch.metrics.flops import ModelFlops, device_peak_flops
 from rlhf_orch.trainer import packing as pk
@@ -62,18 +62,16 @@ def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
 class DeepSpeedTrainer:
     def __init__(self, model_path: str, rank: int, world_size: int, *, device: str = "cpu", zero_stage: int = 2,
                  lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float = 1.0, bf16: bool = False,
-                 clip_eps: float = 0.2, clip_eps_high: float | None = None, kl_coef: float = 0.0,
-                 kl_estimator: str = "k3", temperature: float = 1.0, ppo_epochs: int = 1, seed: int = 0,
-                 micro_batch_size: int = 0, gradient_checkpointing: bool = False, off_policy: str = "none",
-                 off_policy_kwargs: dict | None = None, max_tokens_per_micro_batch: int = 0,
+                 algorithm: dict | None = None, temperature: float = 1.0, ppo_epochs: int = 1, seed: int = 0,
+                 micro_batch_size: int = 0, gradient_checkpointing: bool = False, max_tokens_per_micro_batch: int = 0,
                  packing: bool = False, attn: str = "auto", logprob_chunk_tokens: int = 0, peak_tflops: float = 0.0):
         import deepspeed
         from transformers import AutoModelForCausalLM
 
         self.rank, self.world_size = rank, world_size
         self.zero_stage = zero_stage
-        self.clip_eps, self.clip_eps_high = clip_eps, clip_eps_high
-        self.kl_coef, self.kl_estimator = kl_coef, kl_estimator
+        self.algo = make_algorithm(algorithm or {"name": "grpo"})
+        self.kl_coef = self.algo.kl_coef
         self.temperature, self.ppo_epochs = temperature, ppo_epochs
         self.micro_batch_size = micro_batch_size
         self.budget, self.packing = max_tokens_per_micro_batch, packing
@@ -82,7 +80,6 @@ class DeepSpeedTrainer:
             raise TrainerError("trainer.packing needs trainer.max_tokens_per_micro_batch > 0")
         # Resolved only when packing: the default load (and so the off path) stays exactly as before.
         self.attn = pk.resolve_attn(attn, device) if packing else None
-        self.off_policy, self.off_policy_kwargs = off_policy, dict(off_policy_kwargs or {})
         torch.manual_seed(seed)
         backend = "nccl" if device == "cuda" else "gloo"
         if device == "cuda":
@@ -136,19 +133,22 @@ class DeepSpeedTrainer:
         gc.freeze()
 
     # ---- forward ----------------------------------------------------------------------------------
-    def _logprobs(self, module, batch: TrainBatch, with_entropy: bool = False):
+    def _logprobs(self, module, batch: TrainBatch, with_entropy: bool = False, entropy_grad: bool = False):
         """([B, T] logprobs, [B, T] entropies or None) of a right-padded batch; position 0 predicts nothing."""
         ids = batch.input_ids.to(self.device)
         attn = batch.attention_mask.to(self.device)
-        tok, ent = model_logprobs(module, ids, self.temperature, self.chunk, with_entropy, attention_mask=attn)
+        tok, ent = model_logprobs(module, ids, self.temperature, self.chunk, with_entropy, entropy_grad,
+                                  attention_mask=attn)
         pad = torch.nn.functional.pad
         return pad(tok, (1, 0)), (pad(ent, (1, 0)) if ent is not None else None)
 
-    def _mb_logprobs(self, module, mb: TrainBatch, with_entropy: bool = False):
-        """One micro-batch's [b, w] logprobs (and entropies): one packed row with `packing`, the padded forward otherwise."""
+    def _mb_logprobs(self, module, mb: TrainBatch, with_entropy: bool = False, entropy_grad: bool = False):
+        """One micro-batch's [b, w] logprobs (and entropies, with a gradient for an entropy bonus): one packed row
+        with `packing`, the padded forward otherwise."""
         if self.packing:
-            return pk.packed_logprobs(module, mb, self.temperature, self.attn, self.device, self.chunk, with_entropy)
-        return self._logprobs(module, mb, with_entropy)
+            return pk.packed_logprobs(module, mb, self.temperature, self.attn, self.device, self.chunk, with_entropy,
+                                      entropy_grad)
+        return self._logprobs(module, mb, with_entropy, entropy_grad)
 
     def _shard_logprobs(self, module, batch: TrainBatch) -> torch.Tensor:
         """[B, T] logprobs of a whole shard (callers hold no_grad). With a token budget it goes one
@@ -217,6 +217,7 @@ class DeepSpeedTrainer:
         metrics: dict[str, float] = {}
         self.engine.module.train()
         start = time.perf_counter()
+        num_seqs = self._global_seqs(batch) if self.algo.needs_seq_count else None
         computed = real = flops = 0.0   # positions the forwards computed, the real tokens among them, model FLOPs
         n_micro = 0
         for epoch in range(self.ppo_epochs):
@@ -230,8 +231,9 @@ class DeepSpeedTrainer:
                 width = int(mb.attention_mask.sum(1).max()) if trims else mb.input_ids.shape[1]
                 cols = slice(0, max(width, 1))
                 mb = mb.trim(cols.stop)
-                mmask, madv = mask[rows, cols], adv[rows]
-                lp, ent = self._mb_logprobs(self.engine.module, mb, with_entropy=True)
+                mmask = mask[rows, cols]
+                madv = adv[rows] if adv.dim() == 1 else adv[rows, cols]   # per sequence, or per token (critic-based)
+                lp, ent = self._mb_logprobs(self.engine.module, mb, True, bool(self.algo.entropy_coeff))
                 flops += self.flops.training(pk.seq_lengths(mb))
                 mb_real = float(mb.attention_mask.sum())
                 real += mb_real
@@ -242,18 +244,12 @@ class DeepSpeedTrainer:
                     first_old[rows, cols] = old_mb
                 else:
                     old_mb = old[rows, cols]
-                per_tok, m = policy_loss(lp, old_mb, madv, mmask, self.clip_eps, self.clip_eps_high)
-                if self.off_policy != "none":   # old = trainer (proximal), engine = behaviour policy
-                    weights, wm = off_policy_weights(old_mb, eng[rows, cols], mmask, self.off_policy, **self.off_policy_kwargs)
-                    per_tok = per_tok * weights
-                    m.update(wm)
-                m["entropy"] = float(masked_mean(ent, mmask))
-                if ref is not None:
-                    kl = kl_divergence(lp, ref[rows, cols], self.kl_estimator)
-                    per_tok = per_tok + self.kl_coef * kl * mmask
-                    m["kl"] = float(masked_mean(kl.detach(), mmask))
+                # old = the trainer's policy before the update (proximal), engine = the behaviour policy
+                per_tok, m = self.algo.policy_loss(lp, old_mb, eng[rows, cols], madv, mmask,
+                                                   ref[rows, cols] if ref is not None else None)
+                m["entropy"] = float(masked_mean(ent.detach(), mmask))
                 # Each micro-batch's token sum over the *global* token count: summing them is the token mean.
-                loss = aggregate_token_loss(per_tok, mmask, num_tokens_global) * self.world_size
+                loss = self.algo.aggregate(per_tok, mmask, ent, num_tokens_global, num_seqs) * self.world_size
                 self.engine.backward(loss, scale_wrt_gas=False)
                 if not (self.micro_batch_size or self.budget):
                     self.engine.step()
@@ -284,6 +280,14 @@ class DeepSpeedTrainer:
         metrics["seq_tokens"] = float(batch.attention_mask.sum())
         self.steps += 1
         return {f"train/{k}": v for k, v in metrics.items()}
+
+    def _global_seqs(self, batch: TrainBatch) -> float:
+        """Sequences with a response token in the whole step (all ranks), for the seq-mean loss modes."""
+        import torch.distributed as dist
+        n = torch.tensor([float((batch.response_mask.sum(1) > 0).sum())], device=self.device)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(n)
+        return float(n)
 
     def _micro_batches(self, batch: TrainBatch) -> list[slice] | list[list[int]]:
         """Row selections of a shard: token-budget groups (packing.micro_batch_plan) when a budget is set,

@@ -129,7 +129,7 @@ def block_causal_mask(lengths: list[int], device) -> torch.Tensor:
 
 
 def packed_logprobs(module, batch: TrainBatch, temperature: float, attn: str, device, chunk_tokens: int = 0,
-                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs (and entropy) of `batch` from one packed forward, as right-padded [B, W] (W = longest row).
 
     Same layout as the padded path: position t holds the logprob of token t, position 0 and padding are 0.
@@ -145,7 +145,7 @@ def packed_logprobs(module, batch: TrainBatch, temperature: float, attn: str, de
         kw.update(varlen.boundaries(lengths, ids.device))
     elif attn != "flash_attention_2":
         kw["attention_mask"] = block_causal_mask(lengths, ids.device)
-    tok, ent = model_logprobs(module, ids, temperature, chunk_tokens, with_entropy, **kw)
+    tok, ent = model_logprobs(module, ids, temperature, chunk_tokens, with_entropy, entropy_grad, **kw)
     # Packed position p predicts token p + 1; at each sequence's last token that is the next sequence's
     # first token, a meaningless value the scatter below leaves out.
     rows = torch.repeat_interleave(torch.arange(B, device=ids.device), torch.tensor(lengths, device=ids.device))

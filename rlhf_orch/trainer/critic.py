@@ -1,0 +1,122 @@
+"""The critic role: a value model (a causal LM's decoder with a scalar head) trained by DeepSpeed.
+
+`ValueModel` loads a Hugging Face causal LM folder, keeps its decoder and adds `value_head`, a linear map
+from the hidden state to one number; the LM head is dropped. The value at position t is read from the
+hidden state of position t-1, so it estimates the return before token t is generated (the same position
+that predicts token t's logprob); position 0 holds 0.
+
+`DeepSpeedCritic` is one data-parallel rank of it, with its own DeepSpeed engine, optimizer and learning
+rate, living in the same process as that rank's policy trainer (the process group is the policy's). It
+computes values (no grad), takes value-loss steps (verl's clipped loss, aggregated by the global token count
+as the policy's loss is), and saves/loads its checkpoint. It knows no algorithm: PPO (algorithms/ppo.py)
+turns its values into advantages and returns. It does not offload, pack or sync weights to engines.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from rlhf_orch.errors import TrainerError
+from rlhf_orch.types import TrainBatch
+
+logger = logging.getLogger(__name__)
+
+
+class ValueModel(torch.nn.Module):
+    def __init__(self, model_path: str, seed: int):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.config = lm.config
+        self.decoder = lm.get_decoder()
+        torch.manual_seed(seed + 1)   # its own head, reproducibly: not the policy's draw
+        self.value_head = torch.nn.Linear(lm.config.hidden_size, 1)
+        torch.nn.init.normal_(self.value_head.weight, std=1.0 / (lm.config.hidden_size + 1))
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask=None) -> torch.Tensor:
+        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        v = self.value_head(hidden).squeeze(-1).float()            # [B, T]: value after each position
+        return torch.nn.functional.pad(v[:, :-1], (1, 0))           # position t: the value before token t
+
+
+class DeepSpeedCritic:
+    def __init__(self, model_path: str, rank: int, world_size: int, *, device: torch.device, zero_stage: int,
+                 lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0, bf16: bool = False, seed: int = 0,
+                 micro_batch_size: int = 0, cliprange_value: float = 0.5, gradient_checkpointing: bool = False):
+        import deepspeed
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.micro_batch_size, self.cliprange_value = micro_batch_size, cliprange_value
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world_size,
+            "gradient_clipping": grad_clip, "zero_optimization": {"stage": zero_stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay, "torch_adam": True}},
+            "bf16": {"enabled": bf16}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+            # Micro-batches accumulate by hand, as in the policy trainer.
+            "managed_gradient_accumulation": False,
+        }
+        try:
+            model = ValueModel(model_path, seed)
+            if gradient_checkpointing:
+                model.decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+        except Exception as e:
+            raise TrainerError(f"critic rank {rank}: DeepSpeed initialisation failed: {type(e).__name__}: {e}") from e
+        self.steps = 0
+
+    def _micro_batches(self, n: int) -> list[slice]:
+        size = self.micro_batch_size or max(n, 1)
+        return [slice(i, min(i + size, n)) for i in range(0, max(n, 1), size)]
+
+    def _values(self, batch: TrainBatch) -> torch.Tensor:
+        return self.engine(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, T] values of a shard (0 at position 0; garbage at padding: callers mask)."""
+        self.engine.module.eval()
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
+        for rows in self._micro_batches(len(batch)):
+            mb = batch.select(rows)
+            width = max(int(mb.attention_mask.sum(1).max()), 1)
+            out[rows, :width] = self._values(mb.trim(width))
+        return out
+
+    def train_step(self, batch: TrainBatch, returns: torch.Tensor, old_values: torch.Tensor,
+                   num_tokens_global: float) -> dict[str, float]:
+        """One optimizer step of the clipped value loss on this rank's shard; flat `critic/` metrics."""
+        from rlhf_orch.algorithms.losses import value_loss
+        self.engine.module.train()
+        mask = batch.response_mask.to(self.device)
+        returns, old_values = returns.to(self.device), old_values.to(self.device)
+        total, clipped = 0.0, 0.0
+        for rows in self._micro_batches(len(batch)):
+            mb = batch.select(rows)
+            width = max(int(mb.attention_mask.sum(1).max()), 1)
+            vpred = self._values(mb.trim(width))
+            loss, m = value_loss(vpred, old_values[rows, :width], returns[rows, :width], mask[rows, :width],
+                                 self.cliprange_value, num_tokens_global=num_tokens_global)
+            # DeepSpeed averages gradients over ranks; each rank's loss is over the global token count.
+            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            total += float(loss.detach())
+            clipped += m["vf_clipfrac"] * float(mask[rows, :width].sum())
+        self.engine.step()
+        self.steps += 1
+        gn = self.engine.get_global_grad_norm()
+        tokens = float(mask.sum())
+        return {"critic/vf_loss": total * self.world_size, "critic/vf_clipfrac": clipped / max(tokens, 1.0),
+                "critic/grad_norm": float(gn) if gn is not None else float("nan")}
+
+    def save_checkpoint(self, directory: str, tag: str) -> None:
+        self.engine.save_checkpoint(directory, tag=tag, client_state={"critic_steps": self.steps}, save_latest=False)
+
+    def load_checkpoint(self, directory: str, tag: str) -> None:
+        if not os.path.isdir(os.path.join(directory, tag)):
+            raise TrainerError(f"critic rank {self.rank}: no critic checkpoint {tag!r} in {directory}")
+        path, client = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if path is None:
+            raise TrainerError(f"critic rank {self.rank}: could not load critic checkpoint {tag!r} from {directory}")
+        self.steps = int(client.get("critic_steps", 0))

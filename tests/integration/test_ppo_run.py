@@ -1,0 +1,44 @@
+"""PPO with a critic end to end on CPU (real Ray actors, two DeepSpeed ranks each holding a policy and a critic):
+the critic learns (explained variance rises), the policy learns (reward rises), and a run resumed from a
+checkpoint (policy, critic and optimizer states) continues exactly as the uninterrupted one."""
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+import launch  # noqa: E402
+
+pytestmark = pytest.mark.integration
+QUIET = ["ray.num_cpus=2", "metrics.tensorboard=false", "metrics.ray_metrics=false", "metrics.plots=false"]
+# A reward the critic can predict once the first response token is out (tests/ppo_rewards.py).
+COMMON = ["reward.function=tests.ppo_rewards:starts_with_odd_digit", *QUIET]
+
+
+def _run(tmp_path, name, steps, *extra):
+    assert launch.main(["--config", str(ROOT / "configs/tiny_cpu_ppo.yaml"), f"experiment.output_dir={tmp_path}",
+                        f"experiment.name={name}", f"experiment.steps={steps}", *COMMON, *extra]) == 0
+    return [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_ppo_critic_learns_and_resumes_exactly(tmp_path):
+    full = _run(tmp_path, "full", 16)
+    ev = [r["critic/explained_var"] for r in full]
+    reward = [r["rollout/reward_mean"] for r in full]
+    assert all(math.isfinite(v) for v in ev)
+    # Measured (2 cores, seed 0): explained variance -0.10 at step 1 to ~0.2 from step 11; reward 0.41 -> ~0.7.
+    assert sum(ev[-5:]) / 5 > sum(ev[:3]) / 3 + 0.1, ev
+    assert sum(reward[-5:]) / 5 > sum(reward[:3]) / 3 + 0.1, reward
+    assert all(r["sync/checksum_ok"] == 1.0 for r in full)
+    assert {"critic/vf_loss", "critic/vf_clipfrac", "ppo/adv_raw_std", "train/clip_frac", "train/kl"} <= set(full[-1])
+
+    # Interrupted at step 8 (its final checkpoint), then resumed to 16: the same numbers as the run above.
+    _run(tmp_path, "cut", 8)
+    resumed = _run(tmp_path, "cut", 16, "resume=true")
+    assert [r["step"] for r in resumed] == list(range(1, 17))
+    for want, got in zip(full[8:], resumed[8:]):
+        for key in ("rollout/reward_mean", "train/loss", "critic/vf_loss", "critic/explained_var", "train/kl"):
+            assert abs(got[key] - want[key]) <= 1e-6, (got["step"], key, got[key], want[key])
