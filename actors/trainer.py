@@ -68,9 +68,9 @@ class TrainerActor:
         colocation plan of `trainer.offload: auto` reads it; max over ranks)."""
         from rlhf_orch.gpu_memory import peak_reserved_gb, reset_peak
         reset_peak(self.trainer.device)
-        if self.critic is not None:
-            from rlhf_orch.trainer.ppo_step import critic_step
-            m = critic_step(self.trainer, self.critic, self.critic_warmup, batch, num_tokens_global)
+        if self.trainer.algo.token_level:
+            from rlhf_orch.trainer.ppo_step import token_level_step
+            m = token_level_step(self.trainer, self.critic, getattr(self, "critic_warmup", 0), batch, num_tokens_global)
         else:
             m = self.trainer.train_step(batch, num_tokens_global)
         peak = peak_reserved_gb(self.trainer.device)

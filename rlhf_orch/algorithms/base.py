@@ -56,15 +56,21 @@ def make_algorithm(settings: dict[str, Any]) -> "Algorithm":
 
 
 def _load_all() -> None:
-    # The modules register themselves on import; importing them here keeps the registry complete
-    # however the package was entered.
-    from rlhf_orch.algorithms import grpo, ppo, reinforce_pp, rloo  # noqa: F401
+    # Every module of this package may define algorithms; they register themselves on import, so a new
+    # algorithm is a new file here and nothing else.
+    import importlib
+    import pkgutil
+
+    import rlhf_orch.algorithms as pkg
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{pkg.__name__}.{mod.name}")
 
 
 class Algorithm:
     name: ClassVar[str] = ""
     group_based: ClassVar[bool] = True      # its advantages compare the samples of one prompt
     needs_critic: ClassVar[bool] = False
+    token_level: ClassVar[bool] = False     # its advantages are per token: `token_advantages` on the trainer ranks
 
     def __init__(self, settings: dict[str, Any]):
         self.s = dict(settings)
@@ -100,6 +106,13 @@ class Algorithm:
     # ---- advantages -----------------------------------------------------------------------------
     def outcome_advantages(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
         """[N] advantages from [N] outcome rewards (the rollout manager's step batch)."""
+        raise NotImplementedError
+
+    def token_advantages(self, rewards: Tensor, values: Tensor | None, mask: Tensor,
+                         allreduce) -> tuple[Tensor, Tensor, dict[str, float]]:
+        """Token-level algorithms: (advantages [B, T], returns [B, T], metrics) of one rank's shard from its
+        outcome rewards [B] and, with a critic, its values [B, T]; `allreduce` sums a small tensor over the
+        ranks, so batch statistics (whitening) are the whole step's."""
         raise NotImplementedError
 
     # ---- the policy's loss ----------------------------------------------------------------------

@@ -36,6 +36,7 @@ def token_rewards(rewards: Tensor, response_mask: Tensor) -> Tensor:
 class PPO(Algorithm):
     group_based = False
     needs_critic = True
+    token_level = True
 
     def __init__(self, settings):
         super().__init__(settings)

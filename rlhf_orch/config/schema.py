@@ -139,7 +139,7 @@ class AlgorithmSection(_Section):
     mis_low: float = Field(0.5, ge=0, lt=1, description="mis: tokens with importance weight below this are masked.")
     mis_high: float = Field(2.0, gt=1, description="mis: tokens with importance weight above this are masked.")
     decoupled_cap: float = Field(5.0, gt=1, description="decoupled: tokens whose behaviour importance weight exceeds this are masked.")
-    gamma: float = Field(1.0, ge=0, le=1, description="ppo: discount of GAE (verl's algorithm.gamma).")
+    gamma: float = Field(1.0, ge=0, le=1, description="ppo, reinforce_pp_gamma: discount (verl's algorithm.gamma).")
     lam: float = Field(1.0, ge=0, le=1, description="ppo: GAE lambda (verl's algorithm.lam).")
 
 

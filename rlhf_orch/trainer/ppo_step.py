@@ -1,6 +1,6 @@
-"""One train step of a critic-based algorithm (PPO) on one data-parallel rank: the critic's values, the
-algorithm's per-token advantages and returns (whitened over all ranks), the policy's update (unless the
-critic is still warming up), then the critic's update.
+"""One train step of a token-level algorithm on one data-parallel rank: the critic's values (if it has a
+critic), the algorithm's per-token advantages and returns (whitened over all ranks), the policy's update
+(unless the critic is still warming up), then the critic's update (PPO; REINFORCE++ with gamma has no critic).
 
 A function over a policy trainer and a critic living in the same process; the all-reduce is over their
 shared process group. No Ray: actors/trainer.py calls it.
@@ -35,15 +35,18 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return 1.0 - var_d / var_r if var_r > 0 else 0.0
 
 
-def critic_step(trainer, critic, warmup_steps: int, batch: TrainBatch, num_tokens_global: float) -> dict[str, float]:
+def token_level_step(trainer, critic, warmup_steps: int, batch: TrainBatch, num_tokens_global: float) -> dict[str, float]:
     allreduce = _allreduce(trainer.device)
     mask = batch.response_mask.to(trainer.device)
-    values = critic.values(batch)
+    values = critic.values(batch) if critic is not None else None
     adv, returns, m = trainer.algo.token_advantages(batch.rewards, values, mask, allreduce)
+    batch.advantages = adv.cpu()
+    if critic is None:
+        m.update(trainer.train_step(batch, num_tokens_global))
+        return m
     m["critic/explained_var"] = explained_variance(values, returns, mask, allreduce)
     m["critic/values_mean"] = float((values * mask).sum() / mask.sum().clamp(min=1))
     m["critic/returns_mean"] = float((returns * mask).sum() / mask.sum().clamp(min=1))
-    batch.advantages = adv.cpu()
     if critic.steps >= warmup_steps:
         m.update(trainer.train_step(batch, num_tokens_global))
     else:

@@ -85,3 +85,16 @@ def test_config_errors_name_the_field(tmp_path):
     assert "algorithm.loss_norm_len" in _problems(tmp_path, "algorithm.loss_agg_mode=seq-mean-token-sum-norm")
     assert "algorithm.name: unknown algorithm 'dpo'" in _problems(tmp_path, "algorithm.name=dpo")
     assert "critic does not offload" in _problems(tmp_path, "algorithm.name=ppo", "trainer.offload=true")
+
+
+def test_reinforce_pp_with_gamma_is_one_module():
+    from rlhf_orch.algorithms.advantages import reinforce_pp_returns
+    algo = make_algorithm({"name": "reinforce_pp_gamma", "gamma": 0.9})
+    assert algo.token_level and not algo.needs_critic and algo.roles == ("policy",)
+    mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 0]], dtype=torch.float32)
+    rewards = torch.tensor([1.0, -1.0])
+    adv, ret, _ = algo.token_advantages(rewards, None, mask, lambda t: t)
+    want_adv, want_ret = reinforce_pp_returns(token_rewards(rewards, mask), mask, 0.9)
+    # returns by hand: row 0 gets 0.81, 0.9, 1.0 on its three tokens; row 1 gets -1.0
+    assert torch.allclose(ret, torch.tensor([[0, 0.81, 0.9, 1.0], [0, 0, -1.0, 0]]))
+    assert torch.allclose(adv, want_adv) and torch.allclose(ret, want_ret)

@@ -1,0 +1,32 @@
+"""REINFORCE++ (verl's reinforce_plus_plus): discounted returns of the outcome reward, whitened over every
+response token of the step; no critic, no groups.
+
+    returns_t = sum_{k >= t} gamma^(k - t) r_k      (r: the outcome reward on the last response token)
+    A_t       = (returns_t - mean) / sqrt(var + 1e-8) over the batch's response tokens (all ranks)
+
+(advantages.reinforce_pp_returns). The group-baseline variant is `reinforce_pp`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlhf_orch.algorithms.base import Algorithm, register
+from rlhf_orch.algorithms.ppo import token_rewards
+
+
+@register("reinforce_pp_gamma")
+class ReinforcePP(Algorithm):
+    group_based = False
+    token_level = True
+
+    def outcome_advantages(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
+        return self.zeros(rewards)   # per token, on the trainer ranks
+
+    def token_advantages(self, rewards, values, mask, allreduce):
+        from rlhf_orch.algorithms.advantages import discounted_returns, reinforce_pp_returns, whiten_mean_var, whiten_stats
+        gamma = float(self.s.get("gamma", 1.0))
+        r = token_rewards(rewards, mask)
+        mean, var = whiten_mean_var(*allreduce(torch.stack(whiten_stats(discounted_returns(r, mask, gamma), mask))))
+        adv, returns = reinforce_pp_returns(r, mask, gamma, mean, var)
+        return adv, returns, {"reinforce_pp/returns_mean": float(mean)}
