@@ -53,11 +53,11 @@ def build_tokenizer():
     )
 
 
-def _build_model(spec: TinyModelSpec, vocab_size: int, seed: int):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(spec: TinyModelSpec, vocab_size: int, **extra):
+    """The Llama config of `spec` with the built-in tokenizer's special ids (`extra`: e.g. num_labels)."""
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -67,9 +67,36 @@ def _build_model(spec: TinyModelSpec, vocab_size: int, seed: int):
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        **extra,
     )
+
+
+def _build_model(spec: TinyModelSpec, vocab_size: int, seed: int):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    config = llama_config(spec, vocab_size)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+def write_model_dir(name: str, wanted: dict, out_dir: str | os.PathLike, build) -> Path:
+    """Write `build(vocab_size)` and the built-in tokenizer to `<out_dir>/<name>-<digest>-seed<seed>` once;
+    return the path. The folder is reused when its recorded `wanted` (spec, seed, ...) matches, so a resumed
+    run keeps its files; the digest of `wanted` is in the name, so runs with other shapes do not collide."""
+    digest = hashlib.sha1(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:8]
+    path = Path(out_dir) / f"{name}-{digest}-seed{wanted['seed']}"
+    stamp = path / "rlhf_orch_spec.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == wanted:
+        return path
+    tok = build_tokenizer()
+    model = build(len(tok))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    stamp.write_text(json.dumps(wanted))
+    logger.info("built %s (%d parameters) at %s", name, sum(p.numel() for p in model.parameters()), path)
+    return path
 
 
 def ensure_model_dir(name: str, spec: TinyModelSpec, out_dir: str | os.PathLike, seed: int = 0) -> Path:
@@ -79,20 +106,7 @@ def ensure_model_dir(name: str, spec: TinyModelSpec, out_dir: str | os.PathLike,
     """
     if name != "tiny-llama":
         raise ValueError(f"unknown built-in model {name!r}; the only built-in is 'tiny-llama'")
-    wanted = {"spec": spec.model_dump(), "seed": seed}
     # The shape is in the folder name: two runs sharing an output_dir with different shapes (side by side,
     # even at the same time) must not overwrite each other's model.
-    digest = hashlib.sha1(json.dumps(wanted, sort_keys=True).encode()).hexdigest()[:8]
-    path = Path(out_dir) / f"{name}-{digest}-seed{seed}"
-    stamp = path / "rlhf_orch_spec.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == wanted:
-        return path
-    tok = build_tokenizer()
-    model = _build_model(spec, len(tok), seed)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    stamp.write_text(json.dumps(wanted))
-    n = sum(p.numel() for p in model.parameters())
-    logger.info("built %s (%d parameters) at %s", name, n, path)
-    return path
+    return write_model_dir(name, {"spec": spec.model_dump(), "seed": seed}, out_dir,
+                           lambda vocab: _build_model(spec, vocab, seed))
