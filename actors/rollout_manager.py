@@ -223,7 +223,7 @@ class RolloutManager:
         self._reward_load[i] += len(items)
         t0 = time.time()
         try:
-            rewards = await self.rewarders[i].score.remote(items)
+            parts = await self.rewarders[i].score_parts.remote(items)
         except Exception as e:
             if isinstance(e, RayActorError):   # launch.py restarts the run from its checkpoint for this one
                 await self._fail(RewardError(f"reward worker {i} failed while scoring: {ACTOR_DIED} "
@@ -240,7 +240,8 @@ class RolloutManager:
         at, refill = 0, False
         for g in groups:
             n = len(g.samples)
-            refill |= not self.sched.on_scored(g, rewards[at:at + n], now)
+            g.reward_parts = {k: v[at:at + n] for k, v in parts.items() if k != "rewards"}
+            refill |= not self.sched.on_scored(g, parts["rewards"][at:at + n], now)
             at += n
         if refill:
             self._pump()

@@ -66,6 +66,22 @@ def _load_all() -> None:
         importlib.import_module(f"{pkg.__name__}.{mod.name}")
 
 
+class KLController:
+    """The weight of the KL penalty in the reward (verl's FixedKLController / AdaptiveKLController, after Ziegler
+    et al. 2019). Adaptive: after each step with mean KL `kl` over `n` samples,
+
+        error = clip(kl / target_kl - 1, -0.2, 0.2);   value *= 1 + error * n / horizon
+    """
+
+    def __init__(self, type: str = "fixed", kl_coef: float = 0.001, target_kl: float = 0.1, horizon: float = 10000):
+        self.type, self.value, self.target, self.horizon = type, float(kl_coef), float(target_kl), float(horizon)
+
+    def update(self, kl: float, n: int) -> None:
+        if self.type == "adaptive":
+            error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+            self.value *= 1.0 + error * n / self.horizon
+
+
 class Algorithm:
     name: ClassVar[str] = ""
     group_based: ClassVar[bool] = True      # its advantages compare the samples of one prompt
@@ -84,12 +100,14 @@ class Algorithm:
         self.loss_agg_mode = check_loss_agg_mode(self.s.get("loss_agg_mode", "token-mean"))
         self.entropy_coeff = float(self.s.get("entropy_coeff", 0.0))
         self.norm_len = self.s.get("loss_norm_len")
+        self.kl_in_reward = bool(self.s.get("use_kl_in_reward", False))
+        self.kl_ctrl = KLController(**self.s.get("kl_ctrl", {})) if self.kl_in_reward else None
 
     # ---- what the run needs ---------------------------------------------------------------------
     @property
     def roles(self) -> tuple[str, ...]:
         out = ["policy"]
-        if self.kl_coef > 0:
+        if self.kl_coef > 0 or self.kl_in_reward:
             out.append("reference")
         if self.needs_critic:
             out.append("critic")

@@ -23,7 +23,10 @@ from rlhf_orch.algorithms.base import Algorithm, register
 
 
 def token_rewards(rewards: Tensor, response_mask: Tensor) -> Tensor:
-    """[B, T]: each row's outcome reward on its last response token (right padding), 0 elsewhere."""
+    """[B, T]: each row's outcome reward on its last response token (right padding), 0 elsewhere. Rewards that
+    are already per token ([B, T], e.g. with a KL penalty) are returned as they are."""
+    if rewards.dim() == 2:
+        return rewards.float().to(response_mask.device)
     out = torch.zeros_like(response_mask, dtype=torch.float32)
     pos = torch.arange(response_mask.shape[1], device=response_mask.device)
     last = torch.where(response_mask > 0, pos, -1).max(dim=1).values      # -1: no response token

@@ -112,6 +112,15 @@ def checked_reward_model_path(path: str | None, function: str | None) -> str | N
     return path
 
 
+class KLControlSection(_Section):
+    """verl's algorithm.kl_ctrl: the weight of the KL penalty in the reward (use_kl_in_reward)."""
+    type: Literal["fixed", "adaptive"] = Field("fixed", description="fixed: kl_coef throughout; adaptive: the "
+                                               "controller of Ziegler et al. (verl's AdaptiveKLController) steers to target_kl.")
+    kl_coef: float = Field(0.001, ge=0, description="The (initial) weight of the per-token KL penalty in the reward.")
+    target_kl: float = Field(0.1, gt=0, description="adaptive: the KL the controller aims at.")
+    horizon: float = Field(10000, gt=0, description="adaptive: how many samples the controller takes to close the gap.")
+
+
 class AlgorithmSection(_Section):
     name: str = Field("grpo", description="Algorithm (rlhf_orch/algorithms/, one module each): grpo, rloo, reinforce_pp "
                       "(group baselines, no critic) or ppo (a critic and GAE; see the critic section).")
@@ -139,6 +148,10 @@ class AlgorithmSection(_Section):
     mis_low: float = Field(0.5, ge=0, lt=1, description="mis: tokens with importance weight below this are masked.")
     mis_high: float = Field(2.0, gt=1, description="mis: tokens with importance weight above this are masked.")
     decoupled_cap: float = Field(5.0, gt=1, description="decoupled: tokens whose behaviour importance weight exceeds this are masked.")
+    use_kl_in_reward: bool = Field(False, description="Subtract kl_ctrl.kl_coef x KL(policy || reference) from every "
+                                   "response token's reward (verl's use_kl_in_reward; token-level algorithms: ppo, "
+                                   "reinforce_pp_gamma). KL in the loss is kl_coef.")
+    kl_ctrl: KLControlSection = Field(default_factory=KLControlSection, description="KL-in-reward weight and its controller.")
     gamma: float = Field(1.0, ge=0, le=1, description="ppo, reinforce_pp_gamma: discount (verl's algorithm.gamma).")
     lam: float = Field(1.0, ge=0, le=1, description="ppo: GAE lambda (verl's algorithm.lam).")
 
@@ -339,6 +352,10 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
         if cfg.algorithm.loss_agg_mode == "seq-mean-token-sum-norm" and not cfg.algorithm.loss_norm_len:
             p.append("algorithm.loss_norm_len: loss_agg_mode seq-mean-token-sum-norm divides by a constant length; "
                      "set it (e.g. the engines' sampling.max_new_tokens)")
+        if cfg.algorithm.use_kl_in_reward and not algo.token_level:
+            p.append(f"algorithm.use_kl_in_reward: {algo.name} turns one reward per sample into advantages, so a per-token "
+                     "KL penalty has nowhere to go; use algorithm.kl_coef (KL in the loss), or algorithm.name: ppo / "
+                     "reinforce_pp_gamma")
         if algo.needs_critic and cfg.trainer.offload:
             p.append(f"trainer.offload: {algo.name}'s critic does not offload yet, so it cannot hand its GPU to colocated "
                      "engines; set trainer.offload: false (and sleep_level: 0) or use a critic-free algorithm")

@@ -50,6 +50,11 @@ def assemble(groups: list[Group], trained_version: int, max_staleness: int, algo
     metrics = rollout_metrics(prompts, samples, reward_t, adv, gen_seconds)
     metrics.update(staleness_metrics(samples, trained_version, max_staleness))
     metrics["rollout/groups"] = float(len(groups))
+    if any("model" in g.reward_parts for g in groups):   # a reward model scores: each source's mean, unweighted
+        for source in ("function", "model"):
+            vals = [v for g in groups for v in g.reward_parts.get(source, [])]
+            if vals:
+                metrics[f"reward/{source}_mean"] = sum(vals) / len(vals)
     first = samples[0]
     if balance_tokens:
         shards, _ = shard_balanced(batch, num_ranks)   # the trainer ranks report the resulting imbalance

@@ -169,13 +169,19 @@ class DeepSpeedTrainer:
         self.engine.module.eval()
         return self._shard_logprobs(self.engine.module, batch).cpu()
 
+    @torch.no_grad()
+    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, T] logprobs of `batch` under the frozen reference, on CPU (KL in the reward)."""
+        self._need_states("reference logprobs")
+        return self._shard_logprobs(self.ref_model, batch).cpu()
+
     def snapshot_reference(self, path: str | None = None, reuse: bool = False) -> None:
         """Freeze the KL reference: the policy as RL starts (call on every rank together). Built from the
         gathered weights, so it works for every ZeRO stage; a full copy per rank, fine for models that fit
         one device (a separate reference group is the plan for larger ones). With `path`, rank 0 saves it
         there; a resumed run (`reuse`) loads it back instead of freezing the resumed policy, and a fresh
         run in the same folder overwrites it."""
-        if self.kl_coef <= 0:
+        if "reference" not in self.algo.roles:
             return
         from transformers import AutoModelForCausalLM
         ref = AutoModelForCausalLM.from_config(self.engine.module.config, dtype=torch.float32)
@@ -420,6 +426,8 @@ class DeepSpeedTrainer:
 
     def _save_checkpoint(self, directory: str, tag: str, client_state: dict | None) -> str:
         state = dict(client_state or {}, torch_rng=torch.get_rng_state(), train_steps=self.steps)
+        if self.algo.kl_ctrl is not None:
+            state["kl_ctrl_value"] = self.algo.kl_ctrl.value   # an adaptive controller's state: exact resume
         self.engine.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)   # checkpoint.py owns `latest`
         return os.path.join(directory, tag)
 
@@ -431,6 +439,8 @@ class DeepSpeedTrainer:
             raise TrainerError(f"trainer rank {self.rank}: no DeepSpeed checkpoint {tag!r} in {directory}")
         if "torch_rng" in client:
             torch.set_rng_state(client["torch_rng"])
+        if self.algo.kl_ctrl is not None and "kl_ctrl_value" in client:
+            self.algo.kl_ctrl.value = float(client["kl_ctrl_value"])
         self.steps = int(client.get("train_steps", 0))
         return {k: v for k, v in client.items() if k != "torch_rng"}
 

@@ -35,11 +35,37 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return 1.0 - var_d / var_r if var_r > 0 else 0.0
 
 
+def _kl_penalised(trainer, batch: TrainBatch, allreduce) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's apply_kl_penalty: token rewards minus beta x KL(policy || reference) on every response token, as a
+    [B, T] tensor the algorithm takes in place of the outcome rewards; then the controller sees the step's KL."""
+    from rlhf_orch.algorithms.losses import kl_divergence
+    from rlhf_orch.algorithms.ppo import token_rewards
+    algo, ctrl = trainer.algo, trainer.algo.kl_ctrl
+    ref = trainer.reference_logprobs(batch)
+    old = trainer.logprobs(batch)
+    batch.old_logprobs = old                 # the update clips against these (saves a forward there)
+    mask = batch.response_mask
+    kl = kl_divergence(old, ref, algo.kl_estimator) * mask
+    beta = ctrl.value
+    rewards = token_rewards(batch.rewards, mask) - beta * kl
+    n_tok = mask.sum(1)
+    has = n_tok > 0
+    seq_mean = torch.where(has, kl.sum(1) / n_tok.clamp(min=1), torch.zeros_like(n_tok))
+    s = allreduce(torch.stack([seq_mean.sum().double(), has.sum().double()]))
+    current = float(s[0] / s[1].clamp(min=1))   # verl: the batch mean of each sequence's token-mean KL
+    ctrl.update(current, int(s[1]))
+    return rewards, {"kl_ctrl/beta": beta, "kl_ctrl/kl": current}
+
+
 def token_level_step(trainer, critic, warmup_steps: int, batch: TrainBatch, num_tokens_global: float) -> dict[str, float]:
     allreduce = _allreduce(trainer.device)
     mask = batch.response_mask.to(trainer.device)
     values = critic.values(batch) if critic is not None else None
-    adv, returns, m = trainer.algo.token_advantages(batch.rewards, values, mask, allreduce)
+    rewards, m = batch.rewards, {}
+    if trainer.algo.kl_in_reward:
+        rewards, m = _kl_penalised(trainer, batch, allreduce)
+    adv, returns, am = trainer.algo.token_advantages(rewards, values, mask, allreduce)
+    m.update(am)
     batch.advantages = adv.cpu()
     if critic is None:
         m.update(trainer.train_step(batch, num_tokens_global))

@@ -54,6 +54,9 @@ def test_rewards_are_the_weighted_sum_of_rule_and_reward_model(tmp_path, monkeyp
         assert abs(m["rollout/reward_mean"] - statistics.fmean(rewards)) < 1e-5, (m["step"], m["rollout/reward_mean"])
         assert abs(m["rollout/reward_max"] - max(rewards)) < 1e-5
         assert statistics.pstdev(model) > 1e-3       # the model really contributes (and varies by sample)
+        # Each source's unweighted mean is a metric of its own.
+        assert abs(m["reward/model_mean"] - statistics.fmean(model)) < 1e-5
+        assert abs(m["reward/function_mean"] - statistics.fmean(r["value"] for r in rows)) < 1e-7
 
     # Step 1's samples come from the same initial policy as the rule-only run of tiny_cpu.yaml (same seed): the reward
     # model changes nothing upstream of scoring, and the rule's part of step 1 is the rule-only run's reward.

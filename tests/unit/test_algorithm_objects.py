@@ -98,3 +98,21 @@ def test_reinforce_pp_with_gamma_is_one_module():
     # returns by hand: row 0 gets 0.81, 0.9, 1.0 on its three tokens; row 1 gets -1.0
     assert torch.allclose(ret, torch.tensor([[0, 0.81, 0.9, 1.0], [0, 0, -1.0, 0]]))
     assert torch.allclose(adv, want_adv) and torch.allclose(ret, want_ret)
+
+
+def test_adaptive_kl_controller_follows_verl():
+    from rlhf_orch.algorithms.base import KLController
+    c = KLController("adaptive", kl_coef=0.1, target_kl=0.05, horizon=1000)
+    c.update(0.2, 100)            # kl / target - 1 = 3, clipped to 0.2: value * (1 + 0.2 * 100 / 1000) = 0.1 * 1.02
+    assert c.value == pytest.approx(0.102)
+    c.update(0.025, 100)          # -0.5 clipped to -0.2: 0.102 * (1 - 0.02)
+    assert c.value == pytest.approx(0.102 * 0.98)
+    f = KLController("fixed", kl_coef=0.1)
+    f.update(5.0, 100)
+    assert f.value == 0.1
+    algo = make_algorithm({"name": "ppo", "use_kl_in_reward": True, "kl_ctrl": {"type": "adaptive"}})
+    assert algo.roles == ("policy", "reference", "critic") and algo.kl_ctrl.type == "adaptive"
+
+
+def test_kl_in_reward_needs_a_token_level_algorithm(tmp_path):
+    assert "algorithm.use_kl_in_reward: grpo" in _problems(tmp_path, "algorithm.use_kl_in_reward=true")
