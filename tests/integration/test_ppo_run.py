@@ -42,3 +42,15 @@ def test_ppo_critic_learns_and_resumes_exactly(tmp_path):
     for want, got in zip(full[8:], resumed[8:]):
         for key in ("rollout/reward_mean", "train/loss", "critic/vf_loss", "critic/explained_var", "train/kl"):
             assert abs(got[key] - want[key]) <= 1e-6, (got["step"], key, got[key], want[key])
+
+
+def test_ppo_with_kl_in_reward_and_an_adaptive_controller(tmp_path):
+    recs = _run(tmp_path, "klr", 4, "algorithm.use_kl_in_reward=true", "algorithm.kl_coef=0",
+                "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05", "algorithm.kl_ctrl.target_kl=0.01",
+                "algorithm.kl_ctrl.horizon=1000")
+    betas = [r["kl_ctrl/beta"] for r in recs]
+    assert betas[0] == 0.05
+    # KL starts at 0 (policy = reference), so the controller first lowers beta by 20% x 128 samples / 1000 per step.
+    assert betas[1] == pytest.approx(0.05 * (1 - 0.2 * 128 / 1000))
+    assert all(math.isfinite(r["kl_ctrl/kl"]) and r["kl_ctrl/kl"] >= 0 for r in recs)
+    assert recs[-1]["kl_ctrl/kl"] > 0 and "train/kl" not in recs[-1]   # KL only in the reward here
