@@ -31,7 +31,8 @@ def prepare(argv):
     """Everything that can fail on bad input, before Ray or any actor starts."""
     from transformers import AutoTokenizer
     from rlhf_orch.config import load_config
-    from rlhf_orch.data import PromptDataset, load_rows
+    from rlhf_orch.data import PromptDataset
+    from rlhf_orch.data.prepare import rows_for
     from rlhf_orch.models import BUILTIN_PREFIX, ensure_model_dir
 
     p = argparse.ArgumentParser(description="RL post-training with Ray, DeepSpeed and vLLM/SGLang/HF engines.")
@@ -40,7 +41,7 @@ def prepare(argv):
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(cfg.experiment.output_dir) / cfg.experiment.name
-    rows = load_rows(cfg.data.source, cfg.data.max_operand, cfg.experiment.seed)
+    rows = rows_for(cfg)   # the rows config loading read and checked, with the data section's keys and chat template
     model_path = cfg.model.path
     if model_path.startswith(BUILTIN_PREFIX):
         model_path = str(ensure_model_dir(model_path.removeprefix(BUILTIN_PREFIX), cfg.model.tiny,

@@ -2,8 +2,9 @@
 
 Every problem found is reported at once as one `ConfigError` whose lines each name the field and the
 fix: malformed YAML (with line and column), unknown keys (with the valid ones), wrong types, unknown
-engine kinds, cross-field rules, and a reward function that does not import or has the wrong
-signature. Nothing here starts Ray or touches a device.
+engine kinds, cross-field rules, a reward function that does not import or has the wrong
+signature, and a dataset whose rows do not fit the config (rlhf_orch/data/prepare.py). Nothing here starts
+Ray or touches a device.
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         load_reward_fn(cfg.reward.function)
     except RewardError as e:
         problems.append(f"reward.function: {e}")
+    from rlhf_orch.data import dataset_problems   # reads, renders and checks data.source's rows (and keeps them)
+    problems.extend(dataset_problems(cfg))
     if problems:
         raise ConfigError(problems)
     return cfg

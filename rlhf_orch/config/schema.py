@@ -30,6 +30,15 @@ class ExperimentSection(_Section):
     steps: int = Field(100, ge=1, description="RL steps (each: generate -> score -> train -> sync).")
     log_samples_every: int = Field(25, ge=0, description="Log one decoded sample every N steps (0: never).")
 
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        # The name is a folder under output_dir: a separator or '..' would write outside it (or into another run).
+        if "/" in v or "\\" in v or v in (".", "..") or v.strip() != v:
+            raise PydanticCustomError("run_name", "not a plain folder name (no '/', '\\', '..' or surrounding spaces); "
+                                      "put the folder in experiment.output_dir and a plain name here")
+        return v
+
 
 class RaySection(_Section):
     address: str | None = Field(None, description="Ray cluster to join; default: RAY_ADDRESS, else start a local one.")
@@ -39,12 +48,45 @@ class RaySection(_Section):
 
 class ModelSection(_Section):
     path: str = Field("builtin:tiny-llama", description="HF model folder, or 'builtin:tiny-llama' to build one in code.")
+
+    @field_validator("path")
+    @classmethod
+    def _local_folder(cls, v: str) -> str:
+        # rlhf_orch never downloads: without this, transformers reads a missing path as a hub repo id and fails
+        # deep in a tokenizer call (HFValidationError) or tries the network.
+        import os
+        if v.startswith("builtin:"):
+            return v
+        if not os.path.isdir(v):
+            raise PydanticCustomError("model_path", "not a local folder (rlhf_orch does not download models); give a "
+                                      "Hugging Face model folder (config.json, weights, tokenizer) or builtin:tiny-llama")
+        if not os.path.isfile(os.path.join(v, "config.json")):
+            raise PydanticCustomError("model_path", "the folder has no config.json, so it is not a Hugging Face model "
+                                      "folder; point model.path at the folder save_pretrained wrote")
+        return v
     tiny: TinyModelSpec = Field(default_factory=TinyModelSpec, description="Shape of the built-in model.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Engine and sync dtype.")
 
 
 class DataSection(_Section):
-    source: str = Field("builtin:arithmetic", description="'builtin:arithmetic', 'builtin:reverse' or a .jsonl file of {\"prompt\": ...} rows.")
+    """Where prompts come from. File sources: a .jsonl, .json, .parquet or .arrow file, or a folder of them (or one
+    written by datasets' save_to_disk); every format but JSONL needs `pip install -e ".[data]"`. Rows keep all their
+    columns; "prompt" becomes the rendered text and "answer" the value at answer_key (rlhf_orch/data/rows.py)."""
+    source: str = Field("builtin:arithmetic", description="'builtin:arithmetic', 'builtin:reverse', or a file "
+                        "(.jsonl, .json, .parquet, .arrow) or folder of them; relative paths are from the working directory.")
+    split: str = Field("train", min_length=1, description="File sources: the split to train on (a folder's train.parquet, "
+                       "test.parquet, ... or a saved DatasetDict's splits); a single file is this split.")
+    prompt_key: str = Field("prompt", min_length=1, description="File sources: dotted path of the prompt in each row "
+                            "(e.g. 'prompt', 'question', 'extra_info.question'): a string, or a list of chat messages "
+                            "({role, content}) rendered with the tokenizer's chat template.")
+    answer_key: str = Field("answer", min_length=1, description="File sources: dotted path of the reference answer "
+                            "(verl's GSM8K: reward_model.ground_truth); copied into the row's 'answer' as a string.")
+    system_prompt: str | None = Field(None, description="File sources: a system message put before every chat prompt "
+                                      "that has none of its own.")
+    chat_template: bool = Field(False, description="File sources: render string prompts as one user message with the "
+                                "chat template (message lists are always rendered).")
+    chat_template_path: str | None = Field(None, description="File sources: a Jinja chat template file used instead of "
+                                           "the tokenizer's (needed when the tokenizer has none, e.g. the built-in one).")
     max_operand: int = Field(4, ge=1, le=99, description="builtin:arithmetic: operands run 0..max_operand.")
     prompts_per_step: int = Field(16, ge=1, description="Distinct prompts per RL step.")
     max_prompt_tokens: int = Field(32, ge=1, description="Rows whose prompt is longer are rejected at load.")
@@ -332,11 +374,25 @@ class ExperimentConfig(_Section):
         return self
 
 
+def output_problems(cfg: ExperimentConfig) -> list[str]:
+    """The run folder must be creatable: checked now, not when the first file is written after Ray started."""
+    import os
+    import tempfile
+    try:   # creating it is what the run would do first anyway; a probe file shows it is writable
+        os.makedirs(cfg.experiment.output_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cfg.experiment.output_dir):
+            pass
+    except OSError as e:
+        return [f"experiment.output_dir: cannot write to {cfg.experiment.output_dir!r} ({e.strerror or e}); choose a "
+                "folder you can write to"]
+    return []
+
+
 def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
     """Every rule that involves more than one field. Each message names the field and the fix."""
     from rlhf_orch.algorithms.base import algorithm_names, make_algorithm
 
-    p: list[str] = []
+    p: list[str] = output_problems(cfg)
     if cfg.algorithm.name not in algorithm_names():
         p.append(f"algorithm.name: unknown algorithm {cfg.algorithm.name!r}; use one of: {', '.join(algorithm_names())}")
     else:
@@ -398,6 +454,33 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
     if cfg.trainer.bf16 and cfg.trainer.device == "cpu":
         p.append("trainer.bf16: bf16 training is for cuda here; set trainer.bf16: false or trainer.device: cuda")
     p.extend(packing_problems(cfg))
+    p.extend(data_problems(cfg))
+    return p
+
+
+FILE_ONLY_DATA_FIELDS = ("split", "prompt_key", "answer_key", "system_prompt", "chat_template", "chat_template_path")
+
+
+def data_problems(cfg: ExperimentConfig) -> list[str]:
+    """data-section rules that need no file read (the rows are checked by rlhf_orch.data.dataset_problems)."""
+    from pathlib import Path
+
+    d, p = cfg.data, []
+    given = d.model_fields_set
+    if d.source.startswith("builtin:"):
+        for name in FILE_ONLY_DATA_FIELDS:
+            if name in given:
+                p.append(f"data.{name}: applies to file sources only and data.source is {d.source}; remove it")
+        return p
+    if "max_operand" in given:
+        p.append(f"data.max_operand: applies to builtin:arithmetic only and data.source is the file {d.source!r}; remove it")
+    for name in ("prompt_key", "answer_key"):
+        key = getattr(d, name)
+        if any(not part.strip() for part in key.split(".")):
+            p.append(f"data.{name}: {key!r} has an empty part; write a dotted path such as reward_model.ground_truth")
+    if d.chat_template_path is not None and not Path(d.chat_template_path).is_file():
+        p.append(f"data.chat_template_path: file {d.chat_template_path!r} not found; give a Jinja chat template file "
+                 "(e.g. examples/tiny_chat_template.jinja) or remove it to use the tokenizer's own template")
     return p
 
 

@@ -1,71 +1,36 @@
 """Prompt datasets: load and validate rows, then hand out shuffled batches with a resumable cursor.
 
-Rows come from a built-in synthetic task or a JSONL file; every row must be a JSON object with a
-non-empty string "prompt" (other fields ride along to the reward function); an optional "max_new_tokens"
-(and "ignore_eos") bounds that prompt's responses. All bad rows are
-reported at once, by line number, before any actor starts. Tokenisation happens here too, so prompt
-length limits are checked up front.
+Rows come from a built-in synthetic task or a file (JSONL, JSON, parquet, Arrow, or a folder of them: read in
+sources.py, turned into rows in rows.py); every row has a non-empty string "prompt" (other fields ride along
+to the reward function); an optional "max_new_tokens" (and "ignore_eos") bounds that prompt's responses. All
+bad rows are reported at once, by line number, before any actor starts. Tokenisation happens here too, so
+prompt length limits are checked up front.
 
 This module does not group samples per prompt (the driver repeats each prompt `group_size` times
 through the engines) and does not know about Ray.
 """
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
+from rlhf_orch.data.prepare import prepare_rows
+from rlhf_orch.data.rows import DataSpec
 from rlhf_orch.data.tasks import TASKS, arithmetic_rows
 from rlhf_orch.errors import DataError
 from rlhf_orch.types import Prompt
 
 
 def load_rows(source: str, max_operand: int = 9, seed: int = 0) -> list[dict]:
-    """Rows of `source`: 'builtin:<task>' or a path to a .jsonl file. Raises DataError on any bad row."""
+    """Rows of `source`: 'builtin:<task>', or a .jsonl/.json/.parquet/.arrow file or folder of them read with the
+    defaults ("prompt" and "answer" fields, split "train", string prompts; `prepare.rows_for(cfg)` applies a
+    config's data section). Raises DataError listing every bad row."""
     if source.startswith("builtin:"):
         task = source.removeprefix("builtin:")
         if task not in TASKS:
             raise DataError(f"data.source: unknown built-in task {task!r}; use one of: {', '.join('builtin:' + t for t in TASKS)}")
         return arithmetic_rows(max_operand, seed=seed) if task == "arithmetic" else TASKS[task](seed=seed)
-    path = Path(source)
-    if not path.is_file():
-        raise DataError(f"data.source: file {source!r} not found; give a .jsonl path or builtin:arithmetic")
-    rows, problems = [], []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            problems.append(f"{source}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object")
-            continue
-        problem = _row_problem(row)
-        if problem:
-            problems.append(f"{source}:{lineno}: {problem}")
-        else:
-            rows.append(row)
-    if problems:
-        shown = problems[:20] + ([f"... and {len(problems) - 20} more bad rows"] if len(problems) > 20 else [])
-        raise DataError("\n".join(shown))
-    if not rows:
-        raise DataError(f"data.source: {source!r} has no rows; add lines like {{\"prompt\": \"2+2=\", \"answer\": \"4\"}}")
-    return rows
-
-
-def _row_problem(row) -> str | None:
-    if not isinstance(row, dict):
-        return f"row is a {type(row).__name__}, not a JSON object with a 'prompt' field"
-    if "prompt" not in row:
-        return f"row has no 'prompt' field (keys: {', '.join(sorted(row)) or 'none'}); add \"prompt\": \"...\""
-    if not isinstance(row["prompt"], str) or not row["prompt"]:
-        return "'prompt' must be a non-empty string"
-    m = row.get("max_new_tokens")
-    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-        return f"'max_new_tokens' must be a positive integer (this prompt's response bound), got {m!r}"
-    if "ignore_eos" in row and not isinstance(row["ignore_eos"], bool):
-        return f"'ignore_eos' must be true or false, got {row['ignore_eos']!r}"
-    return None
+    return prepare_rows(DataSpec(source=source))   # the defaults; launch.py uses prepare.rows_for(cfg)
 
 
 @dataclass
