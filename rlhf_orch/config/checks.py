@@ -1,0 +1,169 @@
+"""Config rules that involve more than one field or the outside world (the output folder, the algorithm registry,
+the loss names), run by ExperimentConfig's validator. Each problem is one line naming the field and the fix.
+
+Only checks: the sections themselves, their fields and single-field validators are in schema.py.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlhf_orch.config.schema import ExperimentConfig
+
+
+def output_problems(cfg: ExperimentConfig) -> list[str]:
+    """The run folder must be creatable: checked now, not when the first file is written after Ray started."""
+    import os
+    import tempfile
+    try:   # creating it is what the run would do first anyway; a probe file shows it is writable
+        os.makedirs(cfg.experiment.output_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cfg.experiment.output_dir):
+            pass
+    except OSError as e:
+        return [f"experiment.output_dir: cannot write to {cfg.experiment.output_dir!r} ({e.strerror or e}); choose a "
+                "folder you can write to"]
+    return []
+
+
+def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
+    """Every rule that involves more than one field. Each message names the field and the fix."""
+    from rlhf_orch.algorithms.base import algorithm_names, make_algorithm
+    from rlhf_orch.config.schema import engine_names
+
+    p: list[str] = output_problems(cfg)
+    if cfg.algorithm.name not in algorithm_names():
+        p.append(f"algorithm.name: unknown algorithm {cfg.algorithm.name!r}; use one of: {', '.join(algorithm_names())}")
+    else:
+        from rlhf_orch.algorithms.losses import KL_ESTIMATORS, LOSS_AGG_MODES
+        if cfg.algorithm.kl_estimator not in KL_ESTIMATORS:
+            p.append(f"algorithm.kl_estimator: unknown KL estimator {cfg.algorithm.kl_estimator!r}; use one of: "
+                     f"{', '.join(KL_ESTIMATORS)}")
+        if cfg.algorithm.loss_agg_mode not in LOSS_AGG_MODES:
+            p.append(f"algorithm.loss_agg_mode: unknown loss aggregation mode {cfg.algorithm.loss_agg_mode!r}; use one of: "
+                     f"{', '.join(LOSS_AGG_MODES)}")
+        algo = make_algorithm({**cfg.algorithm.model_dump(), "loss_agg_mode": "token-mean"})   # mode checked above
+        p.extend(algo.problems())
+        if cfg.algorithm.loss_agg_mode == "seq-mean-token-sum-norm" and not cfg.algorithm.loss_norm_len:
+            p.append("algorithm.loss_norm_len: loss_agg_mode seq-mean-token-sum-norm divides by a constant length; "
+                     "set it (e.g. the engines' sampling.max_new_tokens)")
+        if cfg.algorithm.use_kl_in_reward and not algo.token_level:
+            p.append(f"algorithm.use_kl_in_reward: {algo.name} turns one reward per sample into advantages, so a per-token "
+                     "KL penalty has nowhere to go; use algorithm.kl_coef (KL in the loss), or algorithm.name: ppo / "
+                     "reinforce_pp_gamma")
+        if algo.needs_critic and cfg.trainer.offload:
+            p.append(f"trainer.offload: {algo.name}'s critic does not offload yet, so it cannot hand its GPU to colocated "
+                     "engines; set trainer.offload: false (and sleep_level: 0) or use a critic-free algorithm")
+    colocated = sum(e.count for e in cfg.engines if e.placement == "colocated")
+    if colocated > cfg.trainer.num_ranks:
+        p.append(f"engines: {colocated} colocated engines but trainer.num_ranks is {cfg.trainer.num_ranks}; "
+                 "each colocated engine shares one trainer rank's device, so use at most "
+                 f"{cfg.trainer.num_ranks} or set placement: dedicated on some")
+    for i, e in enumerate(cfg.engines):
+        if e.placement == "colocated" and e.tensor_parallel_size > 1:
+            p.append(f"engines.{i}.tensor_parallel_size: colocated engines use one device each; set it to 1 or placement: dedicated")
+        if e.kind == "hf" and e.tensor_parallel_size > 1:
+            p.append(f"engines.{i}.tensor_parallel_size: the hf engine has no tensor parallelism; set it to 1 or use kind: vllm")
+        if e.kind in ("vllm", "sglang") and cfg.trainer.device != "cuda":
+            p.append(f"engines.{i}.kind: {e.kind} needs GPUs; set trainer.device: cuda or use kind: hf")
+        if e.sampling.max_new_tokens + cfg.data.max_prompt_tokens > cfg.model.tiny.max_position_embeddings and cfg.model.path.startswith("builtin:"):
+            p.append(f"engines.{i}.sampling.max_new_tokens: prompt ({cfg.data.max_prompt_tokens}) + response "
+                     f"({e.sampling.max_new_tokens}) exceed model.tiny.max_position_embeddings "
+                     f"({cfg.model.tiny.max_position_embeddings}); lower one or raise the other")
+    temps = {e.sampling.temperature for e in cfg.engines}
+    if len(temps) > 1:
+        p.append(f"engines.*.sampling.temperature: engines use different temperatures {sorted(temps)}; the trainer scores "
+                 "samples with one temperature, so give every engine the same one")
+    names = engine_names(cfg)
+    if len(set(names)) != len(names):
+        p.append("engines: two entries share a name; give each entry a distinct name")
+    if cfg.weight_sync.transport == "ipc" and any(e.placement == "dedicated" for e in cfg.engines):
+        p.append("weight_sync.transport: ipc needs every engine colocated with a trainer rank; use auto or broadcast")
+    for i, e in enumerate(cfg.engines):
+        if e.sleep_level and e.placement != "colocated":
+            p.append(f"engines.{i}.sleep_level: only colocated engines sleep (they share the trainer's GPU); set it to 0")
+        if e.kind == "vllm" and e.streaming and e.sleep_level:
+            p.append(f"engines.{i}.streaming: a streaming vLLM engine does not sleep here yet; set sleep_level: 0 or streaming: false")
+        if e.sleep_level and e.kind == "vllm" and not e.enable_sleep_mode:
+            p.append(f"engines.{i}.sleep_level: vLLM sleeps only with enable_sleep_mode: true; set it or sleep_level: 0")
+    p.extend(rollout_problems(cfg))
+    if cfg.trainer.offload and cfg.trainer.zero_stage == 0:
+        how = "auto may offload, and offloading" if cfg.trainer.offload == "auto" else "offloading"
+        p.append(f"trainer.offload: {how} moves ZeRO's optimizer partitions; set trainer.zero_stage to 1, 2 or 3")
+    if cfg.trainer.bf16 and cfg.trainer.device == "cpu":
+        p.append("trainer.bf16: bf16 training is for cuda here; set trainer.bf16: false or trainer.device: cuda")
+    p.extend(packing_problems(cfg))
+    p.extend(data_problems(cfg))
+    return p
+
+
+FILE_ONLY_DATA_FIELDS = ("split", "prompt_key", "answer_key", "system_prompt", "chat_template", "chat_template_path")
+
+
+def data_problems(cfg: ExperimentConfig) -> list[str]:
+    """data-section rules that need no file read (the rows are checked by rlhf_orch.data.dataset_problems)."""
+    from pathlib import Path
+
+    d, p = cfg.data, []
+    given = d.model_fields_set
+    if d.source.startswith("builtin:"):
+        for name in FILE_ONLY_DATA_FIELDS:
+            if name in given:
+                p.append(f"data.{name}: applies to file sources only and data.source is {d.source}; remove it")
+        return p
+    if "max_operand" in given:
+        p.append(f"data.max_operand: applies to builtin:arithmetic only and data.source is the file {d.source!r}; remove it")
+    for name in ("prompt_key", "answer_key"):
+        key = getattr(d, name)
+        if any(not part.strip() for part in key.split(".")):
+            p.append(f"data.{name}: {key!r} has an empty part; write a dotted path such as reward_model.ground_truth")
+    if d.chat_template_path is not None and not Path(d.chat_template_path).is_file():
+        p.append(f"data.chat_template_path: file {d.chat_template_path!r} not found; give a Jinja chat template file "
+                 "(e.g. examples/tiny_chat_template.jinja) or remove it to use the tokenizer's own template")
+    return p
+
+
+def packing_problems(cfg: ExperimentConfig) -> list[str]:
+    """Token budget, packing and attention settings (checked before any actor starts)."""
+    t, p = cfg.trainer, []
+    longest = cfg.data.max_prompt_tokens + max(e.sampling.max_new_tokens for e in cfg.engines)
+    if t.max_tokens_per_micro_batch and t.max_tokens_per_micro_batch < longest:
+        p.append(f"trainer.max_tokens_per_micro_batch: {t.max_tokens_per_micro_batch} is below the longest allowed "
+                 f"sequence, data.max_prompt_tokens + the largest engines.*.sampling.max_new_tokens = {longest}; "
+                 f"set it to at least {longest} (or 0 for row micro-batches)")
+    if t.packing and not t.max_tokens_per_micro_batch:
+        p.append(f"trainer.packing: packed micro-batches are formed by a token budget; set trainer.max_tokens_per_micro_batch "
+                 f"(at least {longest}) or packing: false")
+    if t.attn == "flash_attention_2":
+        from rlhf_orch.trainer.packing import flash_attn_available
+        if t.device != "cuda":
+            p.append("trainer.attn: flash_attention_2 runs on cuda only; set trainer.attn: sdpa (or auto) or trainer.device: cuda")
+        elif not flash_attn_available():
+            p.append("trainer.attn: flash_attention_2 needs the flash_attn package, which is not importable here; install it "
+                     "(`pip install flash-attn --no-build-isolation`) or set trainer.attn: auto to fall back to sdpa")
+    return p
+
+
+PARTIAL_ROLLOUT_KINDS = ("hf",)   # engine kinds whose decode loop can park mid-request (plus vllm, sglang with streaming)
+
+
+def rollout_problems(cfg: ExperimentConfig) -> list[str]:
+    r, p = cfg.rollout, []
+    if r.partial_rollouts and r.max_staleness == 0:
+        p.append("rollout.partial_rollouts: with max_staleness 0 no request runs while weights change; "
+                 "set rollout.max_staleness >= 1 or partial_rollouts: false")
+    if r.partial_rollouts:
+        for i, e in enumerate(cfg.engines):
+            if e.kind not in PARTIAL_ROLLOUT_KINDS and not getattr(e, "streaming", False):
+                fix = (f"set engines.{i}.streaming: true" if e.kind in ("vllm", "sglang")
+                       else f"use kind {' or '.join(PARTIAL_ROLLOUT_KINDS)}, or vllm/sglang with streaming: true")
+                p.append(f"rollout.partial_rollouts: engines.{i} (kind {e.kind}) cannot pause between decode steps; "
+                         f"{fix}, or set partial_rollouts: false")
+    if r.max_staleness:
+        for i, e in enumerate(cfg.engines):
+            if e.sleep_level:
+                p.append(f"engines.{i}.sleep_level: a sleeping colocated engine cannot generate while the trainer "
+                         "trains, so rollout.max_staleness >= 1 gains nothing; set sleep_level: 0 or max_staleness: 0")
+    if r.filter_groups and cfg.algorithm.group_size < 2:
+        p.append("rollout.filter_groups: a group of one sample has no reward spread to filter on; "
+                 "set algorithm.group_size >= 2 or filter_groups: false")
+    return p
