@@ -69,7 +69,7 @@ class TrainerActor:
         from rlhf_orch.gpu_memory import peak_reserved_gb, reset_peak
         reset_peak(self.trainer.device)
         if self.trainer.algo.token_level:
-            from rlhf_orch.trainer.ppo_step import token_level_step
+            from rlhf_orch.trainer.token_step import token_level_step
             m = token_level_step(self.trainer, self.critic, getattr(self, "critic_warmup", 0), batch, num_tokens_global)
         else:
             m = self.trainer.train_step(batch, num_tokens_global)

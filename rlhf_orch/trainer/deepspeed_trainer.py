@@ -70,7 +70,7 @@ class DeepSpeedTrainer:
 
         self.rank, self.world_size = rank, world_size
         self.zero_stage = zero_stage
-        self.algo = make_algorithm(algorithm or {"name": "grpo"})
+        self.algo = make_algorithm(algorithm or {})   # the algorithm section (its defaults when not given)
         self.kl_coef = self.algo.kl_coef
         self.temperature, self.ppo_epochs = temperature, ppo_epochs
         self.micro_batch_size = micro_batch_size
