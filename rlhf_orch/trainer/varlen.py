@@ -6,8 +6,8 @@ already forwards to attention for flash-attn) and attend within each sequence on
 
 - CUDA: PyTorch's own flash kernel, `torch.nn.attention.varlen.varlen_attn` (no flash-attn package
   needed). Its work is the sum of the sequences' squares, not the square of the packed row.
-- CPU (and any device without that kernel): one `scaled_dot_product_attention(is_causal=True)` per
-  sequence; no [L, L] mask is built.
+- CPU, float32 on CUDA (the kernel takes half precision only), or a torch without the kernel: one
+  `scaled_dot_product_attention(is_causal=True)` per sequence; no [L, L] mask is built.
 
 A call without boundaries (a right-padded batch: the supervised warm start) runs causal SDPA over whole
 rows with no padding mask. That is exact for the real tokens, because right padding only follows them and
@@ -86,7 +86,9 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     if dropout:
         raise TrainerError("trainer.attn varlen: attention dropout is not supported; set the model's attention_dropout to 0")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [T, H, D]
-    if q.is_cuda and torch_varlen_available():
+    # The flash kernel takes half precision only; a float32 model on CUDA (the frozen KL reference is kept in
+    # float32) goes through the per-sequence SDPA loop, which gives the same result.
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and torch_varlen_available():
         out = _flash(q.contiguous(), k.contiguous(), v.contiguous(), cu.to(torch.int32), int(kwargs["max_length_q"]), scaling)
     else:
         out = _sdpa_loop(q, k, v, cu, scaling)
