@@ -221,6 +221,13 @@ def masked_whiten(x: Tensor, mask: Tensor, mean: Tensor | float | None = None,
     return out.to(x.dtype if x.is_floating_point() else torch.float32)
 
 
+def whiten_over_ranks(x: Tensor, mask: Tensor, allreduce) -> tuple[Tensor, Tensor, Tensor]:
+    """(masked_whiten(x), mean, var) with the statistics of the whole step: this shard's `whiten_stats`
+    summed over the data-parallel ranks by `allreduce` (identity with one rank)."""
+    mean, var = whiten_mean_var(*allreduce(torch.stack(whiten_stats(x, mask))))
+    return masked_whiten(x, mask, mean, var), mean, var
+
+
 def _check_token_shapes(name: str, mask: Tensor, *tensors: Tensor) -> None:
     if mask.dim() != 2 or any(t.shape != mask.shape for t in tensors):
         raise ValueError(f"{name}: token tensors and mask must all be [B, T] of the same shape, got "

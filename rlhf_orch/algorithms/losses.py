@@ -400,18 +400,24 @@ def value_loss(vpreds: Tensor, values_old: Tensor, returns: Tensor, mask: Tensor
     return loss, metrics
 
 
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor, allreduce=None) -> float:
     """1 - Var(returns - values) / (Var(returns) + 1e-5) over the mask tokens (verl's
-    critic/vf_explained_var in metric_utils.compute_data_metrics; torch.var, unbiased).
+    critic/vf_explained_var in metric_utils.compute_data_metrics; unbiased variances).
 
     Shapes: values, returns, mask [B, T] -> python float. 1 is a perfect critic, 0 one no better
     than the mean, negative worse. Fewer than 2 tokens give nan (torch.var of one element), as
-    verl. Computed on the tokens given: call it on the whole batch, not per shard.
+    verl. The variances come from sums (advantages.whiten_stats): with `allreduce` (a function that
+    sums a small tensor over the data-parallel ranks) they are the whole batch's however it is split.
     """
-    on = mask != 0
-    v = values.detach().double()[on]
-    r = returns.detach().double()[on]
-    return float(1.0 - torch.var(r - v) / (torch.var(r) + 1e-5))
+    from rlhf_orch.algorithms.advantages import whiten_mean_var, whiten_stats
+    stats = torch.stack([*whiten_stats(returns, mask), *whiten_stats(returns - values, mask)])
+    if allreduce is not None:
+        stats = allreduce(stats)
+    if float(stats[2]) < 2:
+        return float("nan")
+    var_r = whiten_mean_var(*stats[:3])[1]
+    var_d = whiten_mean_var(*stats[3:])[1]
+    return float(1.0 - var_d / (var_r + 1e-5))
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

@@ -54,9 +54,7 @@ class PPO(Algorithm):
                          allreduce: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor, dict[str, float]]:
         """(whitened advantages [B, T], returns [B, T], metrics) of one rank's shard; `allreduce` sums a small
         tensor over the ranks (identity with one rank)."""
-        from rlhf_orch.algorithms.advantages import gae_advantages, masked_whiten, whiten_mean_var, whiten_stats
+        from rlhf_orch.algorithms.advantages import gae_advantages, whiten_over_ranks
         adv, returns = gae_advantages(token_rewards(rewards, mask), values, mask, self.gamma, self.lam)
-        total = allreduce(torch.stack(whiten_stats(adv, mask)))    # sums: the whole batch's statistics
-        mean, var = whiten_mean_var(*total)
-        adv = masked_whiten(adv, mask, mean, var)
+        adv, mean, var = whiten_over_ranks(adv, mask, allreduce)
         return adv, returns, {"ppo/adv_raw_mean": float(mean), "ppo/adv_raw_std": float(var) ** 0.5}

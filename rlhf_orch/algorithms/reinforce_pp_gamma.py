@@ -8,7 +8,6 @@ response token of the step; no critic, no groups.
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from rlhf_orch.algorithms.base import Algorithm, register
@@ -24,9 +23,8 @@ class ReinforcePP(Algorithm):
         return self.zeros(rewards)   # per token, on the trainer ranks
 
     def token_advantages(self, rewards, values, mask, allreduce):
-        from rlhf_orch.algorithms.advantages import discounted_returns, reinforce_pp_returns, whiten_mean_var, whiten_stats
-        gamma = float(self.s.get("gamma", 1.0))
-        r = token_rewards(rewards, mask)
-        mean, var = whiten_mean_var(*allreduce(torch.stack(whiten_stats(discounted_returns(r, mask, gamma), mask))))
-        adv, returns = reinforce_pp_returns(r, mask, gamma, mean, var)
+        from rlhf_orch.algorithms.advantages import discounted_returns, whiten_over_ranks
+        # advantages.reinforce_pp_returns on one batch; here the whitening statistics are the whole step's.
+        returns = discounted_returns(token_rewards(rewards, mask), mask, float(self.s.get("gamma", 1.0)))
+        adv, mean, _ = whiten_over_ranks(returns, mask, allreduce)
         return adv, returns, {"reinforce_pp/returns_mean": float(mean)}

@@ -39,6 +39,19 @@ def build_sft_batch(prompts: Sequence[list[int]], answers: Sequence[list[int]], 
     return build_train_batch(samples, torch.ones(len(samples)), pad_id)
 
 
+def row_slices(n: int, size: int) -> list[slice]:
+    """Contiguous slices of `size` rows over n rows (one slice of them all when size is 0)."""
+    size = size or max(n, 1)
+    return [slice(i, min(i + size, n)) for i in range(0, max(n, 1), size)]
+
+
+def trimmed(batch: TrainBatch, rows) -> tuple[TrainBatch, int]:
+    """Rows `rows` of `batch` cut after their own longest row (the rest is right padding), and that width."""
+    mb = batch.select(rows)
+    width = max(int(mb.attention_mask.sum(1).max()), 1)
+    return mb.trim(width), width
+
+
 def shard_bounds(n: int, world: int) -> list[tuple[int, int]]:
     """Contiguous [start, end) row ranges, sizes differing by at most one."""
     base, extra = divmod(n, world)

@@ -19,6 +19,8 @@ import os
 import torch
 
 from rlhf_orch.errors import TrainerError
+from rlhf_orch.trainer.batch import row_slices, trimmed
+from rlhf_orch.trainer.deepspeed_trainer import ds_config
 from rlhf_orch.types import TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -49,26 +51,16 @@ class DeepSpeedCritic:
         import deepspeed
         self.rank, self.world_size, self.device = rank, world_size, device
         self.micro_batch_size, self.cliprange_value = micro_batch_size, cliprange_value
-        ds_config = {
-            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world_size,
-            "gradient_clipping": grad_clip, "zero_optimization": {"stage": zero_stage},
-            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay, "torch_adam": True}},
-            "bf16": {"enabled": bf16}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
-            # Micro-batches accumulate by hand, as in the policy trainer.
-            "managed_gradient_accumulation": False,
-        }
+        # Micro-batches accumulate by hand, as in the policy trainer.
+        config = ds_config(world_size, zero_stage, lr, weight_decay, grad_clip, bf16, manual_accumulation=True)
         try:
             model = ValueModel(model_path, seed)
             if gradient_checkpointing:
                 model.decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+            self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         except Exception as e:
             raise TrainerError(f"critic rank {rank}: DeepSpeed initialisation failed: {type(e).__name__}: {e}") from e
         self.steps = 0
-
-    def _micro_batches(self, n: int) -> list[slice]:
-        size = self.micro_batch_size or max(n, 1)
-        return [slice(i, min(i + size, n)) for i in range(0, max(n, 1), size)]
 
     def _values(self, batch: TrainBatch) -> torch.Tensor:
         return self.engine(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
@@ -78,10 +70,9 @@ class DeepSpeedCritic:
         """[B, T] values of a shard (0 at position 0; garbage at padding: callers mask)."""
         self.engine.module.eval()
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
-        for rows in self._micro_batches(len(batch)):
-            mb = batch.select(rows)
-            width = max(int(mb.attention_mask.sum(1).max()), 1)
-            out[rows, :width] = self._values(mb.trim(width))
+        for rows in row_slices(len(batch), self.micro_batch_size):
+            mb, width = trimmed(batch, rows)
+            out[rows, :width] = self._values(mb)
         return out
 
     def train_step(self, batch: TrainBatch, returns: torch.Tensor, old_values: torch.Tensor,
@@ -92,10 +83,9 @@ class DeepSpeedCritic:
         mask = batch.response_mask.to(self.device)
         returns, old_values = returns.to(self.device), old_values.to(self.device)
         total, clipped = 0.0, 0.0
-        for rows in self._micro_batches(len(batch)):
-            mb = batch.select(rows)
-            width = max(int(mb.attention_mask.sum(1).max()), 1)
-            vpred = self._values(mb.trim(width))
+        for rows in row_slices(len(batch), self.micro_batch_size):
+            mb, width = trimmed(batch, rows)
+            vpred = self._values(mb)
             loss, m = value_loss(vpred, old_values[rows, :width], returns[rows, :width], mask[rows, :width],
                                  self.cliprange_value, num_tokens_global=num_tokens_global)
             # DeepSpeed averages gradients over ranks; each rank's loss is over the global token count.

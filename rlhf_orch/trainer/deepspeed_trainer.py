@@ -3,7 +3,8 @@
 It computes token logprobs, takes policy-gradient steps on the loss its `Algorithm` defines (with the
 frozen reference's logprobs when the algorithm keeps KL in the loss), runs the optional supervised warm start, saves checkpoints, and yields `(hf_name,
 full_tensor)` for weight sync, gathering ZeRO-3 partitions one bucket-sized group at a time. This is
-the only module that imports DeepSpeed. It knows nothing of Ray or of the engines: the actor shell
+one of the two modules that import DeepSpeed (critic.py, the value model, is the other; both take
+their engine configuration from `ds_config` here). It knows nothing of Ray or of the engines: the actor shell
 sets the rendezvous environment and calls these methods on every rank in lockstep.
 
 Loss scaling: every rank divides its summed token loss by the *global* number of response tokens and
@@ -35,10 +36,34 @@ from rlhf_orch.algorithms.base import make_algorithm
 from rlhf_orch.errors import TrainerError
 from rlhf_orch.metrics.flops import ModelFlops, device_peak_flops
 from rlhf_orch.trainer import packing as pk
+from rlhf_orch.trainer.batch import row_slices, trimmed
 from rlhf_orch.trainer.logprob import model_logprobs
 from rlhf_orch.types import ParamSpec, TrainBatch, dtype_from_name
 
 logger = logging.getLogger(__name__)
+
+
+def ds_config(world_size: int, zero_stage: int, lr: float, weight_decay: float, grad_clip: float, bf16: bool,
+              manual_accumulation: bool) -> dict:
+    """DeepSpeed's configuration for one of our engines (the policy's, the critic's)."""
+    cfg = {
+        # We hand each rank its whole shard per step, so DeepSpeed's batch arithmetic is nominal.
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": zero_stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay,
+                                                  "torch_adam": True}},
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if manual_accumulation:
+        # A rank's shard splits into however many micro-batches it needs (shards differ by a row), so
+        # DeepSpeed must not count micro-steps: backward() only accumulates, step() reduces and updates.
+        cfg["managed_gradient_accumulation"] = False
+    return cfg
 
 
 def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
@@ -96,30 +121,14 @@ class DeepSpeedTrainer:
                           timedelta(minutes=10))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         deepspeed.init_distributed(dist_backend=backend)
-        ds_config = {
-            # We hand each rank its whole shard per step, so DeepSpeed's batch arithmetic is nominal.
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
-            "train_batch_size": world_size,
-            "gradient_clipping": grad_clip,
-            "zero_optimization": {"stage": zero_stage},
-            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay,
-                                                      "torch_adam": True}},
-            "bf16": {"enabled": bf16},
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
-        if micro_batch_size or self.budget:
-            # A rank's shard splits into however many micro-batches it needs (shards differ by a row), so
-            # DeepSpeed must not count micro-steps: backward() only accumulates, step() reduces and updates.
-            ds_config["managed_gradient_accumulation"] = False
+        config = ds_config(world_size, zero_stage, lr, weight_decay, grad_clip, bf16, bool(micro_batch_size or self.budget))
         try:
             extra = {"attn_implementation": self.attn} if self.attn else {}
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **extra)
             if gradient_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                        config=ds_config)
+                                                        config=config)
         except Exception as e:
             raise TrainerError(f"trainer rank {rank}: DeepSpeed initialisation failed: {type(e).__name__}: {e}") from e
         self.flops = ModelFlops(self.engine.module)
@@ -157,9 +166,8 @@ class DeepSpeedTrainer:
             return self._logprobs(module, batch)[0]
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         for rows in self._micro_batches(batch):
-            mb = batch.select(rows)
-            width = max(int(mb.attention_mask.sum(1).max()), 1)
-            out[rows, :width] = self._mb_logprobs(module, mb.trim(width))[0]
+            mb, width = trimmed(batch, rows)
+            out[rows, :width] = self._mb_logprobs(module, mb)[0]
         return out
 
     @torch.no_grad()
@@ -230,13 +238,13 @@ class DeepSpeedTrainer:
             parts: list[dict[str, float]] = []
             first_old = torch.zeros_like(mask) if old is None else None
             for rows in self._micro_batches(batch):
-                mb = batch.select(rows)
                 # Micro-batches drop the right padding beyond their own longest row (a long-tailed batch is
                 # mostly padding otherwise); the whole-shard path keeps the batch's width, as before.
-                trims = bool(self.micro_batch_size or self.budget)
-                width = int(mb.attention_mask.sum(1).max()) if trims else mb.input_ids.shape[1]
-                cols = slice(0, max(width, 1))
-                mb = mb.trim(cols.stop)
+                if self.micro_batch_size or self.budget:
+                    mb, width = trimmed(batch, rows)
+                else:
+                    mb, width = batch.select(rows), max(batch.input_ids.shape[1], 1)
+                cols = slice(0, width)
                 mmask = mask[rows, cols]
                 madv = adv[rows] if adv.dim() == 1 else adv[rows, cols]   # per sequence, or per token (critic-based)
                 lp, ent = self._mb_logprobs(self.engine.module, mb, True, bool(self.algo.entropy_coeff))
@@ -301,8 +309,7 @@ class DeepSpeedTrainer:
         n = len(batch)
         if self.budget and n:
             return pk.micro_batch_plan(pk.seq_lengths(batch), self.budget, self.packing)
-        size = self.micro_batch_size or max(n, 1)
-        return [slice(i, min(i + size, n)) for i in range(0, max(n, 1), size)]
+        return row_slices(n, self.micro_batch_size)
 
     def sft_step(self, batch: TrainBatch, num_tokens_global: float) -> dict[str, float]:
         """One supervised step (negative log-likelihood of the response tokens)."""
@@ -317,9 +324,8 @@ class DeepSpeedTrainer:
             return {"warm_start/loss": float(loss.detach())}   # averaged over ranks: the global token mean
         total = 0.0   # token-budget micro-batches as in train_step (packed or not): the same exact accumulation
         for rows in self._micro_batches(batch):
-            mb = batch.select(rows)
-            width = max(int(mb.attention_mask.sum(1).max()), 1)
-            lp = self._mb_logprobs(self.engine.module, mb.trim(width))[0]
+            mb, width = trimmed(batch, rows)
+            lp = self._mb_logprobs(self.engine.module, mb)[0]
             loss = aggregate_token_loss(-lp, mask[rows, :width], num_tokens_global) * self.world_size
             self.engine.backward(loss, scale_wrt_gas=False)
             total += float(loss.detach())

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rlhf_orch.algorithms.losses import explained_variance
+
 from rlhf_orch.types import TrainBatch
 
 
@@ -20,19 +22,6 @@ def _allreduce(device: torch.device):
             dist.all_reduce(t)
         return t.cpu()
     return fn
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, allreduce) -> float:
-    """1 - Var(returns - values) / Var(returns) over the response tokens of every rank (verl's vf_explained_var)."""
-    m = mask.double()
-    r, d = returns.double() * m, (returns - values).double() * m
-    s = allreduce(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum()]))
-    n, rs, rsq, ds, dsq = (float(x) for x in s)
-    if n < 2:
-        return 0.0
-    var_r = rsq / n - (rs / n) ** 2
-    var_d = dsq / n - (ds / n) ** 2
-    return 1.0 - var_d / var_r if var_r > 0 else 0.0
 
 
 def _kl_penalised(trainer, batch: TrainBatch, allreduce) -> tuple[torch.Tensor, dict[str, float]]:

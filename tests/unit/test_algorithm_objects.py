@@ -116,3 +116,15 @@ def test_adaptive_kl_controller_follows_verl():
 
 def test_kl_in_reward_needs_a_token_level_algorithm(tmp_path):
     assert "algorithm.use_kl_in_reward: grpo" in _problems(tmp_path, "algorithm.use_kl_in_reward=true")
+
+
+def test_explained_variance_over_two_ranks_equals_the_whole_batch():
+    from rlhf_orch.algorithms.advantages import whiten_stats
+    from rlhf_orch.algorithms.losses import explained_variance
+    torch.manual_seed(1)
+    values, returns = torch.randn(6, 9), torch.randn(6, 9)
+    mask = (torch.rand(6, 9) > 0.3).float()
+    whole = explained_variance(values, returns, mask)
+    a, b = slice(0, 2), slice(2, 6)
+    other = torch.stack([*whiten_stats(returns[b], mask[b]), *whiten_stats(returns[b] - values[b], mask[b])])
+    assert explained_variance(values[a], returns[a], mask[a], lambda t: t + other) == pytest.approx(whole, abs=1e-12)

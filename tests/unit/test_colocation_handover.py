@@ -193,6 +193,15 @@ def test_cpu_auto_moves_nothing_from_the_start():
     assert "colocate/plan_offload" not in m2
 
 
+def replace_engine(w, c, engines):
+    """What actors/recovery.py does to the dead engine "v": drops it and adds its replacement "v.r1", awake."""
+    w.engines.pop("v")
+    engines.pop("v")
+    c.sleep_levels.pop("v")
+    engines["v.r1"] = Engine("v.r1", w)
+    c.sleep_levels["v.r1"] = 2
+
+
 def test_a_replaced_engine_under_each_plan():
     """What actors/recovery.py does to a dead engine (drops it, adds its replacement, awake) and what the Cluster then
     calls (to_train -> sync -> to_generate, as next_batch does when no engine is left)."""
@@ -201,11 +210,7 @@ def test_a_replaced_engine_under_each_plan():
         step(w, c)
         step(w, c)
         c.to_generate()
-        w.engines.pop("v")
-        engines.pop("v")
-        c.sleep_levels.pop("v")
-        engines["v.r1"] = Engine("v.r1", w)
-        c.sleep_levels["v.r1"] = 2
+        replace_engine(w, c, engines)
         w.calls.clear()
         c.to_train()
         c.wake_weights()
@@ -236,11 +241,7 @@ def test_an_engine_replaced_during_the_measured_step_keeps_the_configured_moves(
     w, c, engines = build(140.4, "auto")
     c.to_generate()
     c.to_train()
-    w.engines.pop("v")
-    engines.pop("v")
-    c.sleep_levels.pop("v")
-    engines["v.r1"] = Engine("v.r1", w)
-    c.sleep_levels["v.r1"] = 2
+    replace_engine(w, c, engines)
     m = c.after_train(w.train())
     assert (m["colocate/plan_offload"], m["colocate/plan_sleep"]) == (1.0, 1.0)
     assert "no GPU memory readings" in c.plan.reason
