@@ -16,7 +16,6 @@ It does not combine the score with a rule-based reward (scorer.py does) and know
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
