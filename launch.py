@@ -5,11 +5,11 @@
 
 Story: validate everything -> allocate -> build actors -> (warm start) -> initial sync -> per step:
 take the step's batch from the rollout manager (generated and scored as groups
-finish, see actors/rollout_manager.py) -> train -> sync -> log/checkpoint. With rollout.max_staleness 0 the
-manager starts a step's groups only after the previous sync: the synchronous loop exactly. With k >= 1 the
-engines keep generating for later steps while the trainer trains. Colocated runs hand each shared GPU from
-trainer to engines before generate and back after it (actors/colocation.py); metrics, plots, the timeline
-and a checkpoint are written in `finally`, so a failed run still leaves them readable.
+finish, see actors/rollout_manager.py) -> train -> sync -> (evaluate: eval.every) -> log/checkpoint. With
+rollout.max_staleness 0 the manager starts a step's groups only after the previous sync: the synchronous loop
+exactly. With k >= 1 the engines keep generating for later steps while the trainer trains. Colocated runs hand
+each shared GPU from trainer to engines before generate and back after it (actors/colocation.py); metrics, plots,
+the timeline and a checkpoint are written in `finally`, so a failed run still leaves them readable.
 """
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ def prepare(argv):
                                           Path(cfg.experiment.output_dir) / "models", cfg.experiment.seed).resolve())
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dataset = PromptDataset(rows, tokenizer, cfg.data.max_prompt_tokens, cfg.experiment.seed)
+    from rlhf_orch.rewards.check import check_reward_function
+    check_reward_function(cfg.reward, dataset.rows)   # two rows, placeholder responses: finite floats or one error line
     return cfg, run_dir, model_path, tokenizer, dataset
 
 
@@ -97,13 +99,15 @@ def save_checkpoint(cluster, step: int, rollout_state: dict) -> None:
                      str(e).splitlines()[0], good)
 
 
-def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict | None = None) -> dict:
-    """The run; fills `summary` (also when it fails: ledger, faults, where it resumed from) and returns it."""
+def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict | None = None, eval_set=None) -> dict:
+    """The run; fills `summary` (also when it fails: ledger, faults, where it resumed from, the last evaluation)
+    and returns it. `eval_set`: rlhf_orch.evaluation.eval_set_for's (made here when not given and eval is on)."""
     import torch
     from tqdm import tqdm
     from actors.builder import Cluster
     from rlhf_orch.rollout_utils import reward_summary, warm_start_pairs
     from rlhf_orch.checkpoint import CheckpointPolicy
+    from rlhf_orch.evaluation import eval_set_for, last_eval
     from rlhf_orch.trainer.batch import build_sft_batch
 
     seed, last = cfg.experiment.seed, cfg.experiment.steps
@@ -113,6 +117,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
     rollout_state = None    # the rollout manager's state after the last *completed* step: what a checkpoint holds
     verified, syncs = 0, 0
     summary = {} if summary is None else summary
+    eval_set = eval_set if eval_set is not None else eval_set_for(cfg, tokenizer)   # None: evaluation off
     try:
         cluster = Cluster.start(cfg, run_dir, model_path, dataset, tokenizer.pad_token_id)   # Ray, all actors, sinks
         sinks = cluster.sinks
@@ -145,7 +150,13 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
             cluster.log_rollouts(step, meta)
             rollout_state = meta["state"]   # the data cursor and untrained draws after this step
             cluster.step_boundary()         # the engines' RNGs as this step leaves them (what its checkpoint holds)
-            sinks.write(step, m)
+            try:
+                if eval_set is not None and eval_set.due(step, last):   # the engines hold this step's weights
+                    ev = cluster.evaluate(eval_set, step)
+                    m.update(ev)
+                    records[-1].update(ev)
+            finally:
+                sinks.write(step, m)        # also when the evaluation failed: the step itself completed
             bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}", kl=f"{m.get('train/kl', 0.0):.4f}",
                             step_s=f"{m['perf/step_s']:.2f}", sync_s=f"{m['sync/total_s']:.3f}")
             if cfg.experiment.log_samples_every and step % cfg.experiment.log_samples_every == 0:
@@ -166,6 +177,8 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
             cluster.close(records, rollout_state)
             summary["ledger"] = cluster.final_ledger   # every prompt drawn: trained, filtered, or still queued
             summary["faults"] = cluster.faults         # engines that died, when, and how long recovery took
+        if last_eval(records):
+            summary["eval"] = last_eval(records)       # the last evaluation: its step and eval/ metrics
 
 
 def _on_sigterm(signum, frame):
@@ -181,6 +194,8 @@ def main(argv=None) -> int:
     from rlhf_orch.errors import RLHFOrchError, RunStopped, is_actor_death
     try:
         cfg, run_dir, model_path, tokenizer, dataset = prepare(argv)
+        from rlhf_orch.evaluation import eval_set_for
+        eval_set = eval_set_for(cfg, tokenizer)   # the evaluation prompts, read and checked before Ray (None: off)
     except RLHFOrchError as e:
         for line in str(e).splitlines():
             sys.stderr.write(f"error: {line}\n")
@@ -191,7 +206,7 @@ def main(argv=None) -> int:
     while True:
         summary: dict = {}
         try:
-            run(cfg, run_dir, model_path, tokenizer, dataset, summary)
+            run(cfg, run_dir, model_path, tokenizer, dataset, summary, eval_set)
             summary["status"] = "finished"
             break
         except (RunStopped, KeyboardInterrupt) as e:

@@ -83,6 +83,7 @@ class Cluster(EngineRecovery):
         self.ready: list[str] = []          # replacements synced and verified, to be given work at the next batch
         self.boundary_rngs: dict | None = None   # engines' sampling RNGs after the last completed step (step_boundary)
         self._rng_capable = True
+        self._eval_handover: dict = {}      # an evaluation's hand-over to generate: reported with the next step's
         self.engine_restarts = 0
         self.timeline = Timeline()
         r = cfg.rollout
@@ -191,14 +192,20 @@ class Cluster(EngineRecovery):
     def _sinks(self):
         from actors.metrics_sink import RayMetricsSink
         from rlhf_orch.metrics import JsonlSink, MultiSink, TensorBoardSink
+        from rlhf_orch.metrics.trackers import make_trackers
         m, sinks = self.cfg.metrics, []
-        if m.jsonl:
+        if "jsonl" in m.trackers:
             path = self.run_dir / "metrics.jsonl"
             if self.resume_from is None and path.exists():   # a fresh start (resume=true without a checkpoint too)
                 path.unlink()                                 # must not append to an earlier run's records
             sinks.append(JsonlSink(path))
-        if m.tensorboard:
+        if "tensorboard" in m.trackers:
             sinks.append(TensorBoardSink(self.run_dir / "tb"))
+        try:   # wandb, mlflow: a resumed run continues their runs (ids in <run>/trackers.json)
+            sinks.extend(make_trackers(self.cfg, self.run_dir, resumed=self.resume_from is not None))
+        except BaseException:
+            MultiSink(sinks).close()
+            raise
         if m.ray_metrics:
             sinks.append(RayMetricsSink(experiment=self.cfg.experiment.name))
         return MultiSink(sinks)
@@ -251,14 +258,24 @@ class Cluster(EngineRecovery):
     def to_generate(self, version: int) -> dict:
         """Colocation: trainers offload, sleeping engines take their KV cache back (no-op otherwise). An engine
         found dead here is replaced and given `version` (the trainer's current weights) before generation."""
+        early, self._eval_handover = self._eval_handover, {}   # done before an evaluation (evaluate): this step's
         try:
-            return self.colocation.to_generate()
+            return {**early, **self.colocation.to_generate()}
         except EngineError as err:
             if not self._engines_died(err, "the hand-over to generate"):
                 raise
             self.colocation.to_train()
             self.sync(version, resync=True)
             return self.colocation.to_generate()
+
+    def evaluate(self, eval_set, step: int) -> dict:
+        """`eval/` metrics of the engines' weights (version `step`, after the step's sync) on `eval_set`
+        (actors/evaluation.py). Colocated engines get their GPU first (the next step's hand-over, done early; with
+        max_staleness 0 the manager generates nothing until the next step asks for its batch)."""
+        from actors.evaluation import run_eval
+        self._eval_handover.update(self.to_generate(step))
+        with self.timeline.span("driver", "eval", step=step):
+            return run_eval(self, eval_set, step)
 
     def to_train(self) -> dict:
         """Colocation: engines sleep, trainers reload (no-op otherwise). A dead engine is replaced (its replacement
@@ -303,6 +320,7 @@ class Cluster(EngineRecovery):
         `latest` moves last, so an interrupted save leaves the previous checkpoint in charge."""
         ckpt = checkpoint_dir(self.run_dir)
         tag = f"step{step}"
+        self.to_train()   # after an evaluation colocated engines hold the GPU: the trainers' states come back first
         with self.timeline.span("trainer", "checkpoint"):
             self._write_checkpoint(ckpt, tag, step, rollout_state)
 
@@ -337,8 +355,9 @@ class Cluster(EngineRecovery):
                                "rollout": {"pending": rollout_state["pending"], "ledger": rollout_state["ledger"]},
                                "engine_rng_missing": sorted(missing)},
                        {f"engine_rng/{n}": r for n, r in rngs.items() if r is not None})
-        if self.cfg.trainer.export_hf:
-            self.trainers.call("export_hf", str(stage / "hf"))
+        if self.cfg.trainer.export_hf:   # the policy with the run's tokenizer, chat template and sampling defaults
+            from rlhf_orch.trainer.export import export_spec
+            self.trainers.call("export_hf", str(stage / "hf"), export_spec(self.cfg, self.model_path))
         commit(ckpt, tag, self.cfg.trainer.keep_checkpoints)
         logger.info("checkpoint %s written", ckpt / tag)
 

@@ -5,8 +5,8 @@ The function is imported (and its signature checked) at config time by the drive
 folder is checked there too; the actor loads both again in its own process. `builtin:tiny-rm` is built into
 `<output_dir>/models/` by the driver (`start_reward_workers`) before any worker starts, so the workers only
 load a folder. A worker with `reward.device: cuda` asks Ray for one GPU; on cpu it asks for nothing.
-A function that raises or returns a non-finite or non-number value fails the step with a RewardError naming
-the function and the offending row.
+A function that raises, returns a non-finite or non-number value, or runs past `reward.timeout_s` fails the step
+with a RewardError naming the function and the offending row (batch and async functions: rlhf_orch/rewards/calls.py).
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from actors.common import setup_process
 @ray.remote(num_cpus=0)
 class RewardActor:
     def __init__(self, function: str | None, model_path: str | None = None, function_weight: float = 1.0,
-                 model_weight: float = 1.0, device: str = "cpu", batch_size: int = 16, dtype: str = "float32"):
+                 model_weight: float = 1.0, device: str = "cpu", batch_size: int = 16, dtype: str = "float32",
+                 batch: bool = False, timeout_s: float | None = None):
         setup_process(device if model_path else "cpu")
         from rlhf_orch.rewards.scorer import RewardScorer
 
@@ -28,7 +29,7 @@ class RewardActor:
         if model_path:
             from rlhf_orch.rewards.model import RewardModel
             model = RewardModel(model_path, device=device, dtype=dtype, batch_size=batch_size)
-        self.scorer = RewardScorer(function, model, function_weight, model_weight)
+        self.scorer = RewardScorer(function, model, function_weight, model_weight, batch, timeout_s)
         self.path = self.scorer.path
 
     def health(self) -> dict:
@@ -61,5 +62,6 @@ def start_reward_workers(cfg, name: str, env: dict) -> list:
     model_path = resolve_reward_model(cfg)
     resources = {"num_gpus": 1} if model_path and r.device == "cuda" else {}
     return [RewardActor.options(name=f"{name}-reward-{i}", runtime_env={"env_vars": env}, **resources).remote(
-                r.function, model_path, r.function_weight, r.model_weight, r.device, r.batch_size, r.dtype)
+                r.function, model_path, r.function_weight, r.model_weight, r.device, r.batch_size, r.dtype,
+                r.batch, r.timeout_s)
             for i in range(r.num_workers)]

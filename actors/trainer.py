@@ -94,8 +94,9 @@ class TrainerActor:
             self.critic.save_checkpoint(path, "critic")
         return path
 
-    def export_hf(self, directory: str) -> None:
-        self.trainer.export_hf(directory)
+    def export_hf(self, directory: str, spec=None) -> None:
+        """The policy only (the critic is in the DeepSpeed checkpoint, not exported); `spec`: trainer/export.py."""
+        self.trainer.export_hf(directory, spec)
 
     # ---- colocation -----------------------------------------------------------------------------
     def offload_states(self) -> dict:

@@ -1,4 +1,7 @@
-"""Reward functions for failure tests (importable by Ray workers as tests.failing_rewards)."""
+"""Reward functions for failure tests (importable by Ray workers as tests.failing_rewards).
+
+They count calls per process: the reward worker's count starts at 0, whatever launch.py's pre-launch check (two
+calls with placeholder responses, in the driver) did to the driver's own count."""
 _calls = {"n": 0}
 
 

@@ -93,6 +93,30 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
         p.append("trainer.bf16: bf16 training is for cuda here; set trainer.bf16: false or trainer.device: cuda")
     p.extend(packing_problems(cfg))
     p.extend(data_problems(cfg))
+    p.extend(eval_problems(cfg))
+    return p
+
+
+def eval_problems(cfg: ExperimentConfig) -> list[str]:
+    """eval-section rules that need no file read (its rows are read and checked by rlhf_orch.evaluation)."""
+    from pathlib import Path
+    from rlhf_orch.data.tasks import TASKS
+
+    e, p = cfg.eval, []
+    given = e.model_fields_set
+    if "temperature" in given and e.n == 1:
+        p.append("eval.temperature: eval.n 1 is greedy (argmax), so no temperature applies; set eval.n > 1 to sample "
+                 "at this temperature, or remove it")
+    source = e.source if e.source is not None else cfg.data.source
+    if source.startswith("builtin:"):
+        task = source.removeprefix("builtin:")
+        if e.source is not None and task not in TASKS:
+            p.append(f"eval.source: unknown built-in task {task!r}; use one of: {', '.join('builtin:' + t for t in TASKS)}")
+        if "split" in given:
+            p.append(f"eval.split: applies to file sources only and the evaluation prompts come from {source}; remove it")
+    elif e.source is not None and not Path(e.source).exists():
+        p.append(f"eval.source: file {e.source!r} not found; give a .jsonl, .json, .parquet or .arrow file, a folder of "
+                 "them, a builtin:<task>, or null for the validation split of data.source")
     return p
 
 

@@ -113,6 +113,15 @@ class RewardSection(_Section):
                                            "worker asks Ray for one GPU outside the trainer's and engines' placement).")
     batch_size: int = Field(16, ge=1, description="Sequences per reward-model forward pass.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Reward-model dtype.")
+    batch: bool = Field(False, description="The function scores a whole chunk at once: fn(responses: list[str], rows: "
+                        "list[dict]) -> list[float]. Same as decorating it with rlhf_orch.rewards.batched; for a "
+                        "function you cannot edit. An `async def` function (either form) is detected by itself.")
+    # None by default: a limit would be a new way for an existing run to fail (a code-execution or LLM-judge reward
+    # may legitimately take minutes), and an unbounded sync call runs in the caller's thread exactly as before.
+    timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False, description="Seconds each call of the function "
+                                    "may take (each sample's call, or a batch's one call); past it the step fails "
+                                    "with an error naming the function and the prompt. A sync function then runs in "
+                                    "a worker thread, which cannot be killed and is left running. null: no limit.")
 
     @field_validator("function", mode="before")
     @classmethod
@@ -342,10 +351,72 @@ class FaultToleranceSection(_Section):
 
 
 class MetricsSection(_Section):
-    jsonl: bool = Field(True, description="Write <run>/metrics.jsonl.")
-    tensorboard: bool = Field(True, description="Write TensorBoard events under <run>/tb.")
+    """Where the per-step metrics go (rlhf_orch/metrics/sinks.py, trackers.py). wandb and mlflow are optional extras:
+    a config naming one that is not installed fails before launch with the pip command."""
+    trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["jsonl", "tensorboard"],
+        description="jsonl: <run>/metrics.jsonl; tensorboard: <run>/tb; wandb: a W&B run, files in <run>/wandb "
+                    "(pip install -e \".[wandb]\"); mlflow: an MLflow run (pip install -e \".[mlflow]\").")
+    wandb_mode: Literal["offline", "online"] = Field("offline", description="W&B: offline writes <run>/wandb only "
+                                                     "(`wandb sync` uploads it later); online needs WANDB_API_KEY.")
+    wandb_project: str | None = Field(None, min_length=1, description="W&B project (default: experiment.name); "
+                                      "the W&B run is named experiment.name.")
+    mlflow_tracking_uri: str | None = Field(None, min_length=1, description="MLflow tracking URI (default: a local "
+                                            "file store, file:<run>/mlruns); the experiment is experiment.name.")
     ray_metrics: bool = Field(True, description="Export ray.util.metrics gauges (Prometheus endpoint, dashboard).")
     plots: bool = Field(True, description="Write PNG plots at the end of the run.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data):
+        from rlhf_orch.metrics.trackers import renamed_keys_message
+        message = renamed_keys_message(data) if isinstance(data, dict) else None
+        if message:
+            raise PydanticCustomError("renamed_key", message)
+        return data
+
+    @field_validator("trackers")
+    @classmethod
+    def _installed(cls, v):
+        from rlhf_orch.metrics.trackers import tracker_problems
+        problems = tracker_problems(v)
+        if problems:
+            raise PydanticCustomError("tracker", "; ".join(problems))
+        return v
+
+    @field_validator("wandb_mode")
+    @classmethod
+    def _online_needs_key(cls, v, info):
+        from rlhf_orch.metrics.trackers import wandb_online_problem
+        problem = wandb_online_problem() if v == "online" and "wandb" in (info.data.get("trackers") or []) else None
+        if problem:
+            raise PydanticCustomError("wandb_online", problem)
+        return v
+
+
+class EvalSection(_Section):
+    """Evaluation of the policy during and at the end of a run (rlhf_orch/evaluation.py, actors/evaluation.py): at a
+    step boundary, after the sync, the engines answer a fixed set of held-out prompts with the just-trained weights and
+    the reward workers score them. It never touches the training stream (data order, the engines' sampling RNG)."""
+    every: int = Field(0, ge=0, description="Evaluate after every N steps (0: off; a run with it off is unchanged).")
+    final: bool | None = Field(None, description="Also evaluate after the last step (default: true when every > 0; "
+                               "true with every 0: only then).")
+    source: str | None = Field(None, description="Prompts to evaluate on: 'builtin:<task>' or a file/folder like "
+                               "data.source (read with data's prompt_key, answer_key and chat template); null: the "
+                               "validation split of data.source (a built-in task has none and uses its rows).")
+    split: str | None = Field(None, min_length=1, description="File sources: the split to evaluate on (default: the "
+                              "first of validation, val, valid, test that the source has).")
+    max_prompts: int = Field(0, ge=0, description="At most this many prompts, the same seeded subset every time "
+                             "(0: all).")
+    n: int = Field(1, ge=1, description="Samples per prompt: 1 is greedy (temperature 0, argmax); n > 1 samples at "
+                   "eval.temperature with seeds of their own, and pass@k is reported for k = n.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature when n > 1.")
+    pass_threshold: float = Field(1.0, allow_inf_nan=False, description="A sample passes when its reward is at least "
+                                  "this (pass@1, pass@k).")
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0 or bool(self.final)
 
 
 class ExperimentConfig(_Section):
@@ -364,6 +435,7 @@ class ExperimentConfig(_Section):
     fault_tolerance: FaultToleranceSection = Field(default_factory=FaultToleranceSection,
                                                    description="Engine replacement, hang detection and run restarts.")
     metrics: MetricsSection = Field(default_factory=MetricsSection, description="Metric outputs.")
+    eval: EvalSection = Field(default_factory=EvalSection, description="Evaluation during and at the end of the run.")
 
     @model_validator(mode="after")
     def _cross_checks(self):

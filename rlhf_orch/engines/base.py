@@ -37,6 +37,10 @@ class SamplingParams:
     max_new_tokens: int = 16
     n: int = 1        # samples per prompt
     ignore_eos: bool = False   # generate max_new_tokens whatever is sampled (benchmarks)
+    # A request's own seed (evaluation): sample j of the prompt draws from a generator seeded seed + j (vLLM's
+    # convention for n > 1), leaving the engine's own sampling RNG, and so the training stream, untouched.
+    # None (training): the engine's RNG. temperature 0 is greedy (argmax) and needs no seed.
+    seed: int | None = None
 
 
 def per_prompt_params(params: "SamplingParams | Sequence[SamplingParams]", count: int) -> list[SamplingParams]:
@@ -48,8 +52,9 @@ def per_prompt_params(params: "SamplingParams | Sequence[SamplingParams]", count
     out = list(params)
     if len(out) != count:
         raise EngineError(f"{len(out)} sampling parameters for {count} prompts; give one per prompt or one for all")
-    if len({(p.n, p.temperature, p.top_p) for p in out}) > 1:
-        raise EngineError("per-prompt sampling parameters may differ in max_new_tokens and ignore_eos only")
+    if len({(p.n, p.temperature, p.top_p, p.seed is None) for p in out}) > 1:
+        raise EngineError("per-prompt sampling parameters may differ in max_new_tokens and ignore_eos only (and in "
+                          "seed, given for every prompt or for none)")
     return out
 
 

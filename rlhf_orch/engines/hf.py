@@ -4,6 +4,9 @@ It exists so the whole system runs and is tested without vLLM or SGLang: same Pr
 receivers, same checksum verification. Generation is left-padded and batched (`max_batch_size`
 sequences per call); per-token logprobs are log_softmax(logits / temperature) of the sampled tokens,
 the same quantity the trainer computes, so their difference measures train/inference mismatch.
+Temperature 0 is greedy (argmax; logprobs of log_softmax(logits)). A request with a seed (SamplingParams.seed:
+evaluation) samples each row from its own generator, so the engine's RNG, and with it the training stream,
+is left exactly where it was.
 
 `sleep(level)`/`wake_up(tags)` free the weights' memory while a colocated trainer trains, with vLLM's
 meaning: level 1 moves them to CPU memory, level 2 drops them; waking re-allocates them (after level 2
@@ -18,6 +21,7 @@ It does not do continuous batching, paged KV caches or tensor parallelism: use v
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Sequence
@@ -69,7 +73,8 @@ class HFEngine(EngineLifecycle):
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list[Sample]:
         self._check_can_generate()
         each = per_prompt_params(params, len(prompts))
-        flat = [(i, list(p), each[i]) for i, p in enumerate(prompts) for _ in range(each[i].n)]
+        flat = [(i, list(p), each[i] if each[i].seed is None else dataclasses.replace(each[i], seed=each[i].seed + j))
+                for i, p in enumerate(prompts) for j in range(each[i].n)]   # a seeded request: one seed per sample
         out: list[Sample] = []
         with self._lock, self._decoding():
             for start in range(0, len(flat), self.max_batch_size):
@@ -77,7 +82,11 @@ class HFEngine(EngineLifecycle):
         return out
 
     def _generate_batch(self, items) -> list[Sample]:
-        params = items[0][2]        # temperature and top_p are shared; lengths and ignore_eos are per row
+        params = items[0][2]        # temperature and top_p are shared; lengths, ignore_eos and seeds are per row
+        # Seeded rows (evaluation) sample from their own generators, so the engine's RNG (training) is untouched.
+        gens = None if params.seed is None else [torch.Generator(device=self.device).manual_seed(sp.seed)
+                                                 for _, _, sp in items]
+        greedy = params.temperature == 0   # argmax; its logprobs are log_softmax(logits), as in vLLM and SGLang
         limits = torch.tensor([sp.max_new_tokens for _, _, sp in items], device=self.device)
         stops = torch.tensor([not sp.ignore_eos for _, _, sp in items], device=self.device)
         width = max(len(p) for _, p, _ in items)
@@ -101,8 +110,8 @@ class HFEngine(EngineLifecycle):
         for step in range(int(limits.max())):
             if aborted:
                 break
-            logp = torch.log_softmax(logits / params.temperature, dim=-1)
-            tok = self._sample(logp, params.top_p)
+            logp = torch.log_softmax(logits / (1.0 if greedy else params.temperature), dim=-1)
+            tok = logp.argmax(-1) if greedy else self._sample(logp, params.top_p, gens)
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             tokens.append(tok)
             logps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
@@ -138,15 +147,18 @@ class HFEngine(EngineLifecycle):
                                   token_versions=ver))
         return samples
 
-    def _sample(self, logp: torch.Tensor, top_p: float) -> torch.Tensor:
+    def _sample(self, logp: torch.Tensor, top_p: float, gens: list | None = None) -> torch.Tensor:
         probs = logp.exp()
+        idx = None
         if top_p < 1.0:
             sorted_p, idx = probs.sort(dim=-1, descending=True)
             keep = sorted_p.cumsum(-1) - sorted_p < top_p    # always keeps the most likely token
-            sorted_p = sorted_p * keep
-            choice = torch.multinomial(sorted_p, 1, generator=self._gen)
-            return idx.gather(-1, choice).squeeze(-1)
-        return torch.multinomial(probs, 1, generator=self._gen).squeeze(-1)
+            probs = sorted_p * keep
+        if gens is None:
+            choice = torch.multinomial(probs, 1, generator=self._gen)
+        else:   # one generator per row (a seeded request)
+            choice = torch.cat([torch.multinomial(probs[r:r + 1], 1, generator=g) for r, g in enumerate(gens)])
+        return choice.squeeze(-1) if idx is None else idx.gather(-1, choice).squeeze(-1)
 
     # ---- weights ----------------------------------------------------------------------------------
     @torch.no_grad()

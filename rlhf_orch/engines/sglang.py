@@ -270,7 +270,8 @@ class SGLangEngine(EngineLifecycle):
         n = each[0].n if each else 1   # n, temperature and top_p are shared; length and ignore_eos may differ per prompt
         flat = [p for p in prompt_ids for _ in range(n)]
         sp = [{"temperature": e.temperature, "top_p": e.top_p, "max_new_tokens": e.max_new_tokens, "n": 1,
-               "ignore_eos": bool(e.ignore_eos)} for e in each for _ in range(n)]
+               "ignore_eos": bool(e.ignore_eos), **({} if e.seed is None else {"sampling_seed": e.seed + j})}
+              for e in each for j in range(n)]   # a seeded request (evaluation): seed + j for its sample j, as vLLM
         return flat, sp, n
 
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list[Sample]:

@@ -301,7 +301,7 @@ class StreamingVLLMEngine(VLLMEngine):
             return []
         each = per_prompt_params(params, len(prompts))
         made = {p: VSamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_new_tokens,
-                                   logprobs=0, seed=None, detokenize=True, ignore_eos=p.ignore_eos) for p in set(each)}
+                                   logprobs=0, seed=p.seed, detokenize=True, ignore_eos=p.ignore_eos) for p in set(each)}
         prompt_ids = [[int(t) for t in p] for p in prompts]
         try:
             rows = self.llm.generate(prompt_ids, [made[p] for p in each], version_fn=lambda: self.weight_version)

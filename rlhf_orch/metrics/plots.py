@@ -1,7 +1,8 @@
 """PNG charts of a finished (or running) training run from its metrics records.
 
 `plot_run` takes the records of `read_jsonl(metrics.jsonl)` and writes reward, phase-time and
-weight-sync charts. The phase-time chart gets a second panel for the trainer when the records have its
+weight-sync charts. The reward chart gets a second panel for evaluations (eval/ reward, pass@1, pass@k) when the
+records have them. The phase-time chart gets a second panel for the trainer when the records have its
 throughput metrics: training tokens/s, and MFU, padding fraction and rank imbalance as fractions. Records missing a key (or holding None/NaN for it) are skipped for that series
 only, so partial and resumed runs plot fine.
 
@@ -68,8 +69,13 @@ def _plot_reward(plt, pairs, out_dir: Path) -> Path | None:
     exs, eys = _series(pairs, "eval/reward_mean")
     if not xs and not exs:
         return None
-    fig, ax = plt.subplots(figsize=(10, 5))
+    if exs:   # a second panel: the evaluations (reward, pass@1, pass@k) at the steps they were taken
+        fig, (ax, eax) = plt.subplots(2, 1, figsize=(10, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    else:
+        fig, ax = plt.subplots(figsize=(10, 5))
     try:
+        if exs:
+            _eval_panel(eax, pairs)
         if xs:
             window = max(1, round(0.1 * len(ys)))
             ax.scatter(xs, ys, s=10, alpha=0.4, color="C0", label="rollout reward (per step)")
@@ -78,7 +84,8 @@ def _plot_reward(plt, pairs, out_dir: Path) -> Path | None:
         if exs:
             ax.plot(exs, eys, marker="o", color="C1", linewidth=1.5, label="eval reward")
         ax.set_title("Reward")
-        ax.set_xlabel("step")
+        if not exs:
+            ax.set_xlabel("step")
         ax.set_ylabel("mean reward")
         ax.grid(alpha=0.3)
         ax.legend(loc="best")
@@ -87,6 +94,21 @@ def _plot_reward(plt, pairs, out_dir: Path) -> Path | None:
         return path
     finally:
         plt.close(fig)
+
+
+def _eval_panel(ax, pairs) -> None:
+    """eval/reward_mean, eval/pass@1 and eval/pass@k (k from eval/k) per evaluation."""
+    _, ks = _series(pairs, "eval/k")
+    k = str(int(ks[-1])) if ks else "k"
+    for i, (key, label) in enumerate((("eval/reward_mean", "eval reward"), ("eval/pass@1", "pass@1"),
+                                      ("eval/pass@k", f"pass@{k}"))):
+        fx, fy = _series(pairs, key)
+        if fx:
+            ax.plot(fx, fy, marker="o", color=f"C{i + 1}", label=label)
+    ax.set_title("Evaluation")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
 
 
 def _plot_phase_times(plt, pairs, out_dir: Path) -> Path | None:

@@ -3,6 +3,12 @@
 (`reward.model_path`, an AutoModelForSequenceClassification with one label) is scored by model.py; scorer.py
 combines the two as function_weight * fn + model_weight * rm.
 
+A function may also score a whole chunk of samples at once, fn(responses: list[str], rows: list[dict]) ->
+list[float]: mark it with the `batched` decorator below (or set `reward.batch: true` for a function you cannot
+edit). Either form may be `async def` (per-sample coroutines of a chunk run concurrently). calls.py runs all four
+forms, bounded by `reward.timeout_s`; check.py calls the function on two dataset rows before launch. math.py has
+GSM8K and MATH answer rewards (math-verify, the `math` extra).
+
 Importing this package imports neither torch nor transformers (the config loader imports it)."""
 
 # `reward.function: null` (or "") is stored as this path, so the config always names an importable function;
@@ -15,4 +21,19 @@ def no_function(response: str, row: dict) -> float:
     return 0.0
 
 
-__all__ = ["NO_FUNCTION", "no_function"]
+# The attribute `batched` sets; RewardFunction (calls.py) reads it.
+BATCHED_ATTR = "rlhf_orch_batched"
+
+
+def batched(fn):
+    """Declare `fn` a batch reward: fn(responses: list[str], rows: list[dict]) -> list[float], one finite float per
+    response, in order (sync or async def). Returns fn itself with an attribute set, so it stays callable as is."""
+    setattr(fn, BATCHED_ATTR, True)
+    return fn
+
+
+def is_batched(fn) -> bool:
+    return bool(getattr(fn, BATCHED_ATTR, False))
+
+
+__all__ = ["BATCHED_ATTR", "NO_FUNCTION", "batched", "is_batched", "no_function"]

@@ -1,28 +1,31 @@
 """Combine the reward sources of one reward worker: reward = function_weight * fn + model_weight * rm.
 
-`fn` is the rule-based `reward.function` (called once per sample), `rm` the learned reward model's score
-(model.py, batched). Either may be absent: without a model the reward is function_weight * fn, which with the
-default weight 1.0 is exactly fn (bit for bit, as before reward models existed); without a function
+`fn` is the rule-based `reward.function` (per sample or batched, sync or async, bounded by `reward.timeout_s`:
+calls.py), `rm` the learned reward model's score (model.py, batched). Either may be absent: without a model the
+reward is function_weight * fn, which with the default weight 1.0 is exactly fn (bit for bit, as before reward
+models existed); without a function
 (`reward.function: null`) it is model_weight * rm. `score_parts` also returns each source's values, for
 per-source metrics.
 
-A function that raises or returns a non-finite or non-number value fails the step with a RewardError naming
-the function and the offending row. No Ray here: actors/reward.py is the shell that hosts a RewardScorer.
+A function that raises, returns a non-finite or non-number value, or runs past reward.timeout_s fails the step
+with a RewardError naming the function and the offending row. No Ray here: actors/reward.py is the shell that
+hosts a RewardScorer.
 """
 from __future__ import annotations
 
-import math
-
 from rlhf_orch.errors import RewardError
 from rlhf_orch.rewards import NO_FUNCTION
+from rlhf_orch.rewards.calls import RewardFunction
 
 
 class RewardScorer:
-    def __init__(self, function: str | None, model=None, function_weight: float = 1.0, model_weight: float = 1.0):
+    def __init__(self, function: str | None, model=None, function_weight: float = 1.0, model_weight: float = 1.0,
+                 batch: bool = False, timeout_s: float | None = None):
         from rlhf_orch.config import load_reward_fn
 
         self.path = function if function and function != NO_FUNCTION else None
         self.fn = load_reward_fn(self.path) if self.path else None
+        self.call = RewardFunction(self.fn, self.path, batch, timeout_s) if self.fn is not None else None
         self.model = model      # a rewards.model.RewardModel, or None
         self.function_weight, self.model_weight = float(function_weight), float(model_weight)
         if self.fn is None and self.model is None:
@@ -36,7 +39,7 @@ class RewardScorer:
         """{"rewards": [...], "function": [...] if a function is set, "model": [...] if a model is set}."""
         parts: dict[str, list[float]] = {}
         if self.fn is not None:
-            parts["function"] = [self._call(response, row) for response, row in items]
+            parts["function"] = self.call(items)
         if self.model is not None:
             parts["model"] = self.model.score([str(row.get("prompt", "")) for _, row in items],
                                               [response for response, _ in items])
@@ -47,14 +50,3 @@ class RewardScorer:
         else:
             rewards = [self.function_weight * f + self.model_weight * m for f, m in zip(parts["function"], parts["model"])]
         return {"rewards": rewards, **parts}
-
-    def _call(self, response: str, row: dict) -> float:
-        try:
-            value = self.fn(response, row)
-        except Exception as e:
-            raise RewardError(f"reward.function {self.path} raised {type(e).__name__}: {e} "
-                              f"on response {response!r} for prompt {row.get('prompt')!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise RewardError(f"reward.function {self.path} returned {value!r} for prompt {row.get('prompt')!r}; "
-                              "it must return a finite float")
-        return float(value)

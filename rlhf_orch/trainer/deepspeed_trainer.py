@@ -450,16 +450,25 @@ class DeepSpeedTrainer:
         self.steps = int(client.get("train_steps", 0))
         return {k: v for k, v in client.items() if k != "torch_rng"}
 
-    def export_hf(self, directory: str) -> None:
-        """Rank 0 writes an HF folder (safetensors) of the current policy; ZeRO-3 gathers first."""
+    def export_hf(self, directory: str, spec=None) -> None:
+        """Rank 0 writes a loadable HF folder of the current policy into `directory` (inside the checkpoint's
+        staging folder, so it appears only when the checkpoint is committed): safetensors weights, config.json,
+        the run's tokenizer and chat template and generation_config.json (trainer/export.py; `spec`: an
+        ExportSpec, default: the tokenizer of the model folder this trainer loaded, sampling at temperature 1).
+        Every rank must call it: ZeRO-3 gathers are collectives. Only the policy is exported, never the critic."""
         with self._states_loaded():
-            self._export_hf(directory)
+            self._export_hf(directory, spec)
 
-    def _export_hf(self, directory: str) -> None:
-        if self.zero_stage == 3:
-            state = {n: t.detach().cpu().clone() for n, t in self.iter_named_tensors(self._gather_groups(1 << 30))}
-        else:
+    def _export_hf(self, directory: str, spec) -> None:
+        from rlhf_orch.trainer.export import ExportSpec, write_tokenizer_and_generation
+        if self.zero_stage == 3:   # every rank joins each gather; only rank 0 keeps a host copy
+            state = {n: t.detach().cpu().clone() if self.rank == 0 else None
+                     for n, t in self.iter_named_tensors(self._gather_groups(1 << 30))}
+        elif self.rank == 0:
             state = {n: p.detach().cpu().clone() for n, p in self._named()}
-        if self.rank == 0:
-            self.engine.module.save_pretrained(directory, state_dict=state)
+        if self.rank != 0:
+            return
+        module = self.engine.module
+        module.save_pretrained(directory, state_dict=state)
+        write_tokenizer_and_generation(directory, module, spec or ExportSpec())
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 pytestmark = pytest.mark.gpu
-QUIET = ["metrics.ray_metrics=false", "metrics.plots=false", "metrics.tensorboard=false"]
+QUIET = ["metrics.ray_metrics=false", "metrics.plots=false", "metrics.trackers=[jsonl]"]
 
 
 def _run(tmp_path, config, name, *overrides):

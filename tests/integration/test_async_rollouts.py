@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 
 pytestmark = pytest.mark.integration
-QUIET = ["ray.num_cpus=2", "metrics.tensorboard=false", "metrics.ray_metrics=false"]
+QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false"]
 
 
 def _run(tmp_path, name, *extra, rc=0):

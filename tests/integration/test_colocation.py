@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 def _run(tmp_path, name, zero_stage, extra):
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "experiment.steps=3", f"experiment.name={name}",
                       f"experiment.output_dir={tmp_path}", "trainer.warm_start_steps=0", f"trainer.zero_stage={zero_stage}",
-                      "ray.num_cpus=2", "metrics.ray_metrics=false", "metrics.plots=false", "metrics.tensorboard=false",
+                      "ray.num_cpus=2", "metrics.ray_metrics=false", "metrics.plots=false", "metrics.trackers=[jsonl]",
                       *extra])
     assert rc == 0
     return [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -50,7 +50,7 @@ def test_offload_auto_on_cpu_moves_nothing_and_matches_offload_false(tmp_path):
     assert launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                         "experiment.name=auto", "experiment.steps=3", "trainer.offload=auto", "engines.0.sleep_level=2",
                         "ray.num_cpus=2", "metrics.ray_metrics=false", "metrics.plots=false",
-                        "metrics.tensorboard=false"]) == 0
+                        "metrics.trackers=[jsonl]"]) == 0
     recs = [json.loads(l) for l in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3]
     for want, got in zip(base, recs):

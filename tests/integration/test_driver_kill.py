@@ -66,7 +66,7 @@ def test_sigkilled_driver_leaves_no_ray_processes(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RLHF_ORCH_WATCHDOG")}
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo", TOKENIZERS_PARALLELISM="false")
     common = [f"experiment.output_dir={tmp_path}", "experiment.name=killed", "experiment.steps=20",
-              "trainer.checkpoint_every=5", "ray.num_cpus=2", "metrics.tensorboard=false", "metrics.ray_metrics=false",
+              "trainer.checkpoint_every=5", "ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false",
               "metrics.plots=false"]
     cmd = [sys.executable, str(ROOT / "launch.py"), "--config", str(ROOT / "configs/tiny_cpu.yaml"), *common,
            "engines.0.decode_delay_s=0.02", "engines.1.decode_delay_s=0.02"]   # slower steps, same numbers

@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 
 pytestmark = pytest.mark.integration
-COMMON = ["experiment.name=death", "trainer.warm_start_steps=0", "ray.num_cpus=2", "metrics.tensorboard=false",
+COMMON = ["experiment.name=death", "trainer.warm_start_steps=0", "ray.num_cpus=2", "metrics.trackers=[jsonl]",
           "metrics.ray_metrics=false", "experiment.steps=3", "fault_tolerance.max_engine_restarts=0"]
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 
 pytestmark = pytest.mark.integration
-COMMON = ["ray.num_cpus=2", "metrics.tensorboard=false", "metrics.ray_metrics=false",
+COMMON = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false",
           "trainer.warm_start_steps=0", "experiment.log_samples_every=0",
           "engines.0.decode_delay_s=0.005", "engines.1.decode_delay_s=0.005"]
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 def _step1(tmp_path, name, *extra):
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                       f"experiment.name={name}", "experiment.steps=1", "trainer.warm_start_steps=0", "ray.num_cpus=2",
-                      "metrics.tensorboard=false", "metrics.plots=false", "metrics.ray_metrics=false",
+                      "metrics.trackers=[jsonl]", "metrics.plots=false", "metrics.ray_metrics=false",
                       "engines.0.placement=dedicated", *extra])
     assert rc == 0
     return json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])

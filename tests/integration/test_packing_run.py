@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 
 pytestmark = pytest.mark.integration
-QUIET = ["ray.num_cpus=2", "metrics.tensorboard=false", "metrics.ray_metrics=false", "metrics.plots=false"]
+QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
 
 
 def test_packed_token_budget_run_matches_the_padded_baseline(tmp_path):

@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 
 pytestmark = pytest.mark.integration
-COMMON = ["trainer.warm_start_steps=3", "ray.num_cpus=2", "trainer.checkpoint_every=2", "metrics.tensorboard=false",
+COMMON = ["trainer.warm_start_steps=3", "ray.num_cpus=2", "trainer.checkpoint_every=2", "metrics.trackers=[jsonl]",
           "metrics.plots=false", "metrics.ray_metrics=false", "algorithm.kl_coef=0.05"]
 
 

@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 
 pytestmark = pytest.mark.integration
-QUIET = ["ray.num_cpus=2", "metrics.tensorboard=false", "metrics.ray_metrics=false", "metrics.plots=false"]
+QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
 RECORD = "RLHF_ORCH_TEST_REWARD_RECORD"
 
 
@@ -25,7 +25,7 @@ def recording_exact_match(response: str, row: dict) -> float:
 
     value = exact_match(response, row)
     with open(os.environ[RECORD], "a", encoding="utf-8") as f:
-        f.write(json.dumps({"prompt": row["prompt"], "response": response, "value": value}) + "\n")
+        f.write(json.dumps({"prompt": row["prompt"], "response": response, "value": value, "pid": os.getpid()}) + "\n")
     return value
 
 
@@ -44,7 +44,11 @@ def test_rewards_are_the_weighted_sum_of_rule_and_reward_model(tmp_path, monkeyp
     from rlhf_orch.rewards.model import RewardModel
     rm = RewardModel(str(rm_dir), batch_size=7)     # another batch size than the worker's: scores do not depend on it
 
-    scored = [json.loads(l) for l in record.read_text().splitlines()]
+    everything = [json.loads(l) for l in record.read_text().splitlines()]
+    # launch.prepare's pre-launch check called the function here, in the driver, with its two placeholder responses.
+    from rlhf_orch.rewards.check import DUMMY_RESPONSES
+    assert [r["response"] for r in everything if r["pid"] == os.getpid()] == list(DUMMY_RESPONSES)
+    scored = [r for r in everything if r["pid"] != os.getpid()]   # the reward worker's calls
     per_step = 16 * 8                               # max_staleness 0: step s scores exactly its 128 samples, in order
     assert len(scored) == 3 * per_step
     for step, m in enumerate(metrics):

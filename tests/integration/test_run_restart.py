@@ -16,7 +16,7 @@ import launch  # noqa: E402
 from test_engine_faults import _fault_at  # noqa: E402
 
 pytestmark = pytest.mark.integration
-QUIET = ["ray.num_cpus=2", "metrics.tensorboard=false", "metrics.ray_metrics=false", "metrics.plots=false"]
+QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
 
 
 @pytest.mark.parametrize("victim", ["-trainer-1", "-reward-0"])

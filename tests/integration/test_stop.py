@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 from rlhf_orch.checkpoint import checkpoint_dir, find_good  # noqa: E402
 
 pytestmark = pytest.mark.integration
-ARGS = ["ray.num_cpus=2", "metrics.tensorboard=false", "metrics.ray_metrics=false", "trainer.warm_start_steps=0",
+ARGS = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "trainer.warm_start_steps=0",
         "experiment.name=stop", "experiment.steps=500", "experiment.log_samples_every=0",
         "engines.0.decode_delay_s=0.01", "engines.1.decode_delay_s=0.01"]
 

@@ -1,0 +1,101 @@
+"""Evaluation during and at the end of a run, with real Ray actors (2 DeepSpeed ranks, a colocated and a dedicated hf
+engine, a reward worker):
+- configs/tiny_cpu.yaml with eval.every=2 evaluates after steps 2 and 4 and after the last (5), writes eval/ metrics
+  to metrics.jsonl at those steps and the last evaluation to summary.json, and trains exactly as the same run with
+  evaluation off: same rewards, losses, sync digests, data order and engine sampling RNGs;
+- configs/gsm8k_cpu.yaml evaluates greedily on its folder's test split, scored by the run's reward function.
+"""
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+import launch  # noqa: E402
+
+pytestmark = pytest.mark.integration
+QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false"]
+TRAINING_KEYS = ("rollout/reward_mean", "rollout/reward_std", "rollout/tokens", "train/loss", "train/kl",
+                 "train/grad_norm", "sync/digest", "sync/version")
+RECORD = "RLHF_ORCH_TEST_EVAL_RECORD"
+
+
+def recording_exact_match(response: str, row: dict) -> float:
+    """exact_match that also appends the row and value to $RLHF_ORCH_TEST_EVAL_RECORD (the reward worker inherits
+    the driver's environment on a local Ray)."""
+    from rlhf_orch.rewards.builtin import exact_match
+
+    value = exact_match(response, row)
+    with open(os.environ[RECORD], "a", encoding="utf-8") as f:
+        f.write(json.dumps({"row": row, "response": response, "value": value}) + "\n")
+    return value
+
+
+def _run(tmp_path, name, *extra, config="configs/tiny_cpu.yaml"):
+    assert launch.main(["--config", str(ROOT / config), f"experiment.output_dir={tmp_path}", f"experiment.name={name}",
+                        *QUIET, *extra]) == 0
+    run = tmp_path / name
+    return run, [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _engine_rngs(run):
+    import torch
+    return torch.load(run / "checkpoints" / "step5" / "rl_state.pt")
+
+
+def test_eval_every_two_steps_leaves_training_unchanged(tmp_path):
+    import torch
+    common = ["experiment.steps=5"]
+    on, rec_on = _run(tmp_path, "eval_on", *common, "eval.every=2", "eval.n=4", "eval.max_prompts=12")
+    off, rec_off = _run(tmp_path, "eval_off", *common, "metrics.plots=false")
+    assert [r["step"] for r in rec_on] == [r["step"] for r in rec_off] == [1, 2, 3, 4, 5]
+    for a, b in zip(rec_on, rec_off):
+        for key in TRAINING_KEYS:
+            assert abs(a[key] - b[key]) <= 1e-6, (a["step"], key, a[key], b[key])
+        assert not any(k.startswith("eval/") for k in b)
+    # the same draws in the same order, and the engines' sampling RNGs where the run without evaluation left them
+    assert (on / "rollouts.jsonl").read_text() == (off / "rollouts.jsonl").read_text()
+    rng_on, rng_off = _engine_rngs(on), _engine_rngs(off)
+    assert sorted(rng_on) == sorted(rng_off) and len(rng_on) == 2
+    assert all(torch.equal(rng_on[k], rng_off[k]) for k in rng_on)
+
+    evals = {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in rec_on}
+    assert [s for s, e in evals.items() if e] == [2, 4, 5]   # every 2 steps, and after the last
+    for step in (2, 4, 5):
+        e = evals[step]
+        assert e["eval/prompts"] == 12 and e["eval/k"] == 4 and e["eval/s"] > 0
+        assert 0.0 <= e["eval/pass@1"] <= e["eval/pass@k"] <= 1.0
+        # exact match gives 0 or 1 and the threshold is 1: the mean reward is the share of passing samples
+        assert abs(e["eval/reward_mean"] - e["eval/pass@1"]) < 1e-9
+        assert 0 < e["eval/response_len_mean"] <= 4
+    assert any(0 < evals[s]["eval/pass@1"] for s in (2, 4, 5))   # a real signal, not zeros (warm-started policy)
+    summary = json.loads((on / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["eval"] == {"step": 5, **evals[5]}
+    assert "eval" not in json.loads((off / "summary.json").read_text())
+    events = [json.loads(l) for l in (on / "timeline.jsonl").read_text().splitlines()]
+    assert {e["actor"] for e in events if e["phase"] == "eval"} == {"driver", "engine:colocated", "engine:dedicated"}
+    assert (on / "plots" / "reward.png").stat().st_size > 1000
+
+
+def test_eval_on_the_test_split_of_a_parquet_folder(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.chdir(ROOT)   # the config's data paths are relative to the repository root
+    record = tmp_path / "scored.jsonl"
+    monkeypatch.setenv(RECORD, str(record))
+    run, records = _run(tmp_path, "gsm8k_eval", "experiment.steps=1", "trainer.warm_start_steps=2", "eval.every=1",
+                        "eval.max_prompts=8", "metrics.plots=false",
+                        "reward.function=tests.integration.test_eval_run:recording_exact_match",
+                        config="configs/gsm8k_cpu.yaml")
+    scored = [json.loads(l) for l in record.read_text().splitlines()]
+    evaluated = [s for s in scored if s["row"]["extra_info"]["split"] == "test"]      # the held-out split
+    assert len(evaluated) == 8 and scored[-8:] == evaluated    # scored after the step's 16 groups of 8 train rows
+    assert sum(s["row"]["extra_info"]["split"] == "train" for s in scored) >= 16 * 8
+    assert len({s["row"]["extra_info"]["index"] for s in evaluated}) == 8                # 8 prompts, greedy: one each
+    e = records[0]
+    assert e["eval/prompts"] == 8 and e["eval/k"] == 1 and e["eval/pass@1"] == e["eval/pass@k"]
+    assert abs(e["eval/reward_mean"] - statistics.fmean(s["value"] for s in evaluated)) < 1e-9
+    assert json.loads((run / "summary.json").read_text())["eval"]["step"] == 1
