@@ -81,7 +81,39 @@ class RolloutActor:
         if group is None:
             return 0.0
         return self.receiver.join_group(group["backend"], group["host"], group["port"], rank, group["world_size"],
-                                        timeout_s, ray.util.get_node_ip_address())
+                                        timeout_s, ray.util.get_node_ip_address(), bool(group.get("sums")))
+
+    def streams(self) -> bool:
+        """Whether this engine's receiver verifies what it loads itself and can take a sync in one call
+        (`sync_weights`): ours (hf here, vLLM in its workers) can; SGLang loads through its own API, bucket by bucket."""
+        return not hasattr(self.engine, "setup_receiver") or bool(getattr(self.engine, "streams", False))
+
+    def connect_stream(self, buffer_handles, timeout_s: float) -> bytes:
+        """Open the colocated trainer rank's ring buffers once; returns the mailbox handle for that rank."""
+        return self.receiver.connect_stream(buffer_handles, timeout_s)
+
+    def sync_weights(self, version: int, sync_id: int, pause_mode: str, transport: str) -> dict:
+        """A whole sync in one call: pause -> take every bucket (ipc stream or broadcast) and check each tensor's
+        checksum against the trainer's -> record the version -> resume. On failure the engine stays paused and the
+        sender is told at once (the coordinator resumes or replaces the engine)."""
+        t0 = time.perf_counter()
+        try:
+            self.pause(pause_mode)
+            t1 = time.perf_counter()
+            if transport == "ipc":
+                sums, m = self.receiver.receive_stream(sync_id, self.verify)
+            else:
+                sums, m = self.receiver.receive_broadcast(self.verify)
+        except BaseException:
+            abort = getattr(self.receiver, "abort_stream", None)
+            if transport == "ipc" and callable(abort):
+                abort()
+            raise
+        t2 = time.perf_counter()
+        self.finish_sync(version)
+        self.resume()
+        return {"sums": sums, "pause_s": t1 - t0, "receive_s": t2 - t1, "load_s": float(m.get("load_s", 0.0)),
+                "finish_s": time.perf_counter() - t2, "total_s": time.perf_counter() - t0}
 
     def close_receiver(self) -> None:
         close = getattr(self.receiver, "close", None)

@@ -133,8 +133,9 @@ class TrainerActor:
     def param_specs(self, dtype: str):
         return self.trainer.param_specs(dtype)
 
-    def setup_sender(self, layouts, ipc_engines: dict, group: dict | None, verify: bool, timeout_s: float) -> float:
-        """Build this rank's sender. Rank 0 with `group` hosts the broadcast store and warms it up."""
+    def setup_sender(self, layouts, ipc_engines: dict, group: dict | None, verify: bool, timeout_s: float) -> list:
+        """Build this rank's sender. Rank 0 with `group` hosts the broadcast store and warms it up. Returns the ring
+        buffers' ipc handles (engines that stream open them once, `connect_stream`), [] without ipc engines."""
         self.engines, self.timeout_s = ipc_engines, timeout_s
         self.close_sender()   # a re-plan after an engine fault: leave the old broadcast group first
         bgroup = None
@@ -142,15 +143,20 @@ class TrainerActor:
             bgroup = BroadcastGroup(group["backend"], group["host"], group["port"], 0, group["world_size"],
                                     timeout_s, self.trainer.device, ray.util.get_node_ip_address())
             bgroup.warmup()
-        self.sender = WeightSender(layouts, self.trainer.device, list(ipc_engines), bgroup, verify)
-        return 1.0
+        self.sender = WeightSender(layouts, self.trainer.device, list(ipc_engines), bgroup, verify,
+                                   bcast_sums=bool(group and group.get("sums")), timeout_s=timeout_s)
+        return self.sender.buffer_handles()
+
+    def attach_mailbox(self, engine: str, handle: bytes) -> None:
+        """`engine` streams: hand it buckets through its shared-memory mailbox instead of one call per bucket."""
+        self.sender.attach_mailbox(engine, handle)
 
     def close_sender(self) -> None:
         if getattr(self, "sender", None) is not None and self.sender.group is not None:
             self.sender.group.destroy()
         self.sender = None
 
-    def send_weights(self, version: int):
+    def send_weights(self, version: int, sync_id: int = 0):
         def deliver(engine, handle, index, v):
             return self.engines[engine].receive_ipc.remote(handle, index, v)
 
@@ -158,7 +164,7 @@ class TrainerActor:
             return get(ref, self.timeout_s, "an engine loading an ipc bucket", TrainerError)
 
         groups = [layout.names for layout in self.sender.layouts]   # ZeRO-3 gathers one bucket at a time
-        return self.sender.send(self.trainer.iter_named_tensors(groups), version, deliver, wait)
+        return self.sender.send(self.trainer.iter_named_tensors(groups), version, deliver, wait, sync_id)
 
     def shutdown(self) -> None:
         """Leave the process groups in order, so no rank dies on a store whose host already exited."""

@@ -30,6 +30,7 @@ EXTENSION = "rlhf_orch.engines.vllm_worker.WeightSyncWorkerExtension"
 
 class VLLMEngine(EngineLifecycle):
     checksums_mode = "received"   # checksums describe received tensors (see vllm_worker.py)
+    streams = True                # its workers' receivers verify what they load: a sync is one call (actors/rollout.py)
 
     def __init__(self, name: str, model_path: str, device: str = "cuda", device_id: str = "",
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,
@@ -47,9 +48,9 @@ class VLLMEngine(EngineLifecycle):
         self._ids: list[str] | None = None
         extra: dict[str, Any] = {}
         if kv_cache_memory_gb:
-            # A fixed KV size instead of a share of the GPU. Besides leaving room for a colocated trainer,
-            # it bounds the block count: reset_prefix_cache walks every block in Python (block_pool.py:784),
-            # ~140 ms per sync for a tiny model given half an H200 (millions of blocks).
+            # A fixed KV size instead of a share of the GPU: room for a colocated trainer. (It also bounds the
+            # block count that reset_prefix_cache walks in Python, block_pool.py:784: ~140 ms for a tiny model
+            # given half an H200; only the streaming engine still resets per sync, see finish_sync.)
             extra["kv_cache_memory_bytes"] = int(kv_cache_memory_gb * 2**30)
         if tensor_parallel_size > 1:
             # Inside a Ray actor in a placement group vLLM would pick its Ray executor (config/parallel.py:915)
@@ -105,14 +106,19 @@ class VLLMEngine(EngineLifecycle):
         each = per_prompt_params(params, len(prompt_ids))
         try:   # one vLLM SamplingParams per distinct setting (rows may bound their own length)
             made = {p: VSamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_new_tokens,
-                                       logprobs=0, seed=None, detokenize=True, ignore_eos=p.ignore_eos)
+                                       logprobs=0, seed=p.seed, detokenize=True, ignore_eos=p.ignore_eos)
                     for p in set(each)}
             sp = [made[p] for p in each]
         except Exception as e:   # e.g. vLLM allows temperature in [0, 2] only
             raise EngineError(f"engine {self.name}: sampling parameters rejected by vLLM: {e}") from e
         with self._lock:
             try:
-                outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sp, use_tqdm=False)
+                # The salt keys the prefix cache by weight version: blocks computed with older weights never match
+                # again, so a sync needs no prefix-cache reset (which walks every KV block in Python, ~20 ms for a
+                # tiny model's 2 GiB cache). The same prompt shares its blocks within a version, as before.
+                salt = f"rlhf-v{self.weight_version}"
+                outs = self.llm.generate([TokensPrompt(prompt_token_ids=p, cache_salt=salt) for p in prompt_ids], sp,
+                                         use_tqdm=False)
             except Exception as e:
                 raise EngineError(f"engine {self.name}: generate failed: {type(e).__name__}: {e}") from e
         if len(outs) != len(prompt_ids):
@@ -139,7 +145,8 @@ class VLLMEngine(EngineLifecycle):
     def setup_receiver(self, layouts, group: dict | None, rank_offset: int, verify: bool, timeout_s: float) -> float:
         """Build a receiver in every worker; with `group`, worker k joins as rank rank_offset + k. Returns seconds."""
         self._need_weights_awake("setup_receiver")
-        group = None if group is None else {k: group[k] for k in ("backend", "host", "port", "world_size")}
+        group = None if group is None else {k: group[k] for k in ("backend", "host", "port", "world_size", "sums")
+                                            if k in group}
         secs = self._rpc("rlhf_setup_receiver", pack_arg(list(layouts)), group, int(rank_offset), bool(verify),
                          float(timeout_s))
         return max(float(s) for s in secs)
@@ -153,6 +160,22 @@ class VLLMEngine(EngineLifecycle):
             for k, v in m.items():
                 metrics[k] = max(metrics.get(k, float("-inf")), float(v))
         return sums, metrics
+
+    def connect_stream(self, handles, timeout_s: float) -> bytes:
+        """Colocated engines are single-worker (weight_sync/plan.py): one worker, one mailbox."""
+        self._need_weights_awake("connect_stream")
+        boxes = self._rpc("rlhf_connect_stream", pack_arg(list(handles)), float(timeout_s))
+        if len(boxes) != 1:
+            raise EngineError(f"engine {self.name}: an ipc stream needs a single-worker engine, got {len(boxes)} workers")
+        return bytes(boxes[0])
+
+    def receive_stream(self, sync_id: int, verify: bool = True) -> tuple[list[int], dict[str, float]]:
+        self._need_weights_awake("receive_stream")
+        (sums, metrics), = self._rpc("rlhf_receive_stream", int(sync_id), bool(verify))
+        return [int(x) for x in sums], {k: float(v) for k, v in metrics.items()}
+
+    def abort_stream(self) -> None:
+        self._rpc("rlhf_abort_stream")
 
     def receive_ipc(self, handle, bucket_index: int, verify: bool = True) -> list[int]:
         self._need_weights_awake("receive_ipc")
@@ -171,9 +194,8 @@ class VLLMEngine(EngineLifecycle):
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def finish_sync(self, version: int) -> None:
-        """New weights are loaded: drop KV blocks computed with the old ones, record `version`."""
-        if not self.llm.reset_prefix_cache():
-            raise EngineError(f"engine {self.name}: vLLM could not reset its prefix cache (requests still running?)")
+        """New weights are loaded: record `version`. KV blocks of older weights are not reset but never reused:
+        prompts carry the version as their prefix-cache salt (generate)."""
         self.weight_version = version
 
     def sleep(self, level: int = 1) -> None:

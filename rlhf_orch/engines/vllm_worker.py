@@ -121,7 +121,8 @@ class WeightSyncWorkerExtension:
         if group is not None:
             rank = int(rank_offset) + get_tensor_model_parallel_rank()
             st["receiver"].join_group(group["backend"], group["host"], int(group["port"]), rank,
-                                      int(group["world_size"]), float(timeout_s), local_host=None)
+                                      int(group["world_size"]), float(timeout_s), local_host=None,
+                                      expect_sums=bool(group.get("sums")))
             logger.info("worker on %s joined the weight-sync group as rank %d of %d", self.device, rank,
                         group["world_size"])
         return time.perf_counter() - t0
@@ -134,6 +135,17 @@ class WeightSyncWorkerExtension:
 
     def rlhf_receive_broadcast(self, verify: bool) -> tuple[list[int], dict[str, float]]:
         return self._rlhf_receiver().receive_broadcast(bool(verify))
+
+    def rlhf_connect_stream(self, handles: Any, timeout_s: float) -> bytes:
+        """Open the colocated trainer rank's two ring buffers once; returns our mailbox's handle (receiver.py)."""
+        return self._rlhf_receiver().connect_stream([_as_handle(h) for h in _unpack_arg(handles)], float(timeout_s))
+
+    def rlhf_receive_stream(self, sync_id: int, verify: bool) -> tuple[list[int], dict[str, float]]:
+        """Every bucket of one sync through the mailbox, each tensor checked against the trainer's checksum."""
+        return self._rlhf_receiver().receive_stream(int(sync_id), bool(verify))
+
+    def rlhf_abort_stream(self) -> None:
+        self._rlhf_receiver().abort_stream()
 
     def rlhf_receive_ipc(self, handle: Any, bucket_index: int, verify: bool) -> list[int]:
         return self._rlhf_receiver().receive_ipc(_as_handle(handle), int(bucket_index), bool(verify))

@@ -6,6 +6,12 @@ checksumming are injected by the engine (`load_fn(list[(name, tensor)])`, `check
 one receiver serves every engine kind. Broadcast receiving is pipelined: the receive of bucket k + 1
 is posted before bucket k is loaded.
 
+A colocated (`ipc`) receiver is fed one of two ways: per bucket (`receive_ipc`, one call per bucket, for
+engines whose loading we do not drive, SGLang), or as a stream (`connect_stream` once, then one
+`receive_stream` per sync that takes every bucket through a shared-memory mailbox, see mailbox.py). Stream and
+broadcast receivers with `expect_sums` compare each tensor with the sender's checksum themselves and raise on a
+difference, so an engine never resumes generating with weights nobody checked.
+
 The checksums returned are of what the engine holds after loading (its own parameters), not of the
 received bytes: a load that silently skips or mangles a tensor shows up as a mismatch.
 """
@@ -18,7 +24,9 @@ import torch
 
 from rlhf_orch.weight_sync.buckets import BucketLayout, max_bucket_bytes, unpack
 from rlhf_orch.weight_sync.collective import BroadcastGroup
-from rlhf_orch.weight_sync.ipc import HandleCache, IpcHandle
+from rlhf_orch.errors import WeightSyncError
+from rlhf_orch.weight_sync.ipc import HandleCache, IpcHandle, open_handle
+from rlhf_orch.weight_sync.mailbox import SLOTS, Mailbox, seq_of
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 ChecksumFn = Callable[[list[str]], list[int]]
@@ -32,16 +40,24 @@ class WeightReceiver:
         self.load_fn = load_fn
         self.checksum_fn = checksum_fn
         self.group: BroadcastGroup | None = None
+        self.expect_sums = False       # broadcast: the sender follows the buckets with its checksums
         self._bufs: list[torch.Tensor] = []
         self._cache = HandleCache()
+        self._firsts = [0]             # index of each bucket's first tensor in the flat checksum list
+        for lay in self.layouts:
+            self._firsts.append(self._firsts[-1] + len(lay.slots))
+        self.mailbox: Mailbox | None = None
+        self._stream_bufs: list[torch.Tensor] = []
+        self.timeout_s = 300.0
 
     def join_group(self, backend: str, host: str, port: int, rank: int, world_size: int,
-                   timeout_s: float, local_host: str | None = None) -> float:
+                   timeout_s: float, local_host: str | None = None, expect_sums: bool = False) -> float:
         """Create this worker's end of the broadcast group and warm it up; returns seconds taken."""
         t0 = time.perf_counter()
         group = BroadcastGroup(backend, host, port, rank, world_size, timeout_s, self.device, local_host)
         group.warmup()
         self.attach_group(group)
+        self.expect_sums = bool(expect_sums)
         return time.perf_counter() - t0
 
     def attach_group(self, group: BroadcastGroup) -> None:
@@ -76,9 +92,67 @@ class WeightReceiver:
             sums.extend(self._load(layout, self._bufs[k % 2], verify))
             load_s += time.perf_counter() - t1
             work = nxt
+        if self.expect_sums:
+            # Rank 0 sends its checksums after the last bucket (always, so every rank's collectives match).
+            want = torch.zeros(self._firsts[-1], dtype=torch.int64, device=self.device)
+            self.group.broadcast(want, src=0)
+            if verify:
+                self._compare(sums, want.tolist(), 0, "broadcast")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return sums, {"load_s": load_s, "total_s": time.perf_counter() - t0}
+
+    def _compare(self, got: list[int], want: list[int], first: int, how: str) -> None:
+        if got != want:
+            names = [s.name for lay in self.layouts for s in lay.slots][first:first + len(got)]
+            bad = [n for n, g, w in zip(names, got, want) if g != w][:5]
+            raise WeightSyncError(f"weights received by {how} differ from the trainer's (checksums); first "
+                                  f"differing tensors: {bad}")
+
+    # ---- ipc as a stream: one call per sync -------------------------------------------------------------
+    def connect_stream(self, buffer_handles: Sequence[IpcHandle], timeout_s: float) -> bytes:
+        """Open the sender's ring buffers once and make the mailbox; returns its handle for the sender."""
+        if len(buffer_handles) != SLOTS:
+            raise ValueError(f"a stream needs {SLOTS} sender buffers, got {len(buffer_handles)}")
+        self._stream_bufs = [open_handle(h) for h in buffer_handles]
+        self.mailbox = Mailbox.create(self._firsts[-1])
+        self.timeout_s = float(timeout_s)
+        return self.mailbox.handle()
+
+    def abort_stream(self) -> None:
+        """Tell the sender this sync will not be taken (it stops waiting at once)."""
+        if self.mailbox is not None:
+            self.mailbox.fail()
+
+    def receive_stream(self, sync_id: int, verify: bool = True) -> tuple[list[int], dict[str, float]]:
+        """Take every bucket of sync `sync_id` as the sender publishes it; returns (checksums, timings)."""
+        box = self.mailbox
+        if box is None:
+            raise RuntimeError("receive_stream before connect_stream")
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        box.reset_failure()
+        sums: list[int] = []
+        load_s = wait_s = 0.0
+        try:
+            for k, layout in enumerate(self.layouts):
+                slot, seq = k % SLOTS, seq_of(sync_id, k)
+                t1 = time.perf_counter()
+                box.wait_ready(slot, seq, deadline, f"bucket {k} of sync {sync_id}")
+                t2 = time.perf_counter()
+                got = self._load(layout, self._stream_bufs[slot], verify)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)   # the sender refills the slot once we acknowledge
+                if verify:
+                    self._compare(got, box.expected(self._firsts[k], len(got)), self._firsts[k], "ipc")
+                box.ack(slot, seq)
+                sums.extend(got)
+                wait_s += t2 - t1
+                load_s += time.perf_counter() - t2
+        except BaseException:
+            box.fail()   # the sender stops waiting for us now, not at its deadline
+            raise
+        return sums, {"load_s": load_s, "wait_s": wait_s, "total_s": time.perf_counter() - t0}
 
     def receive_ipc(self, handle: IpcHandle, bucket_index: int, verify: bool = True) -> list[int]:
         buf = self._cache.open(handle)
@@ -92,3 +166,4 @@ class WeightReceiver:
             self.group.destroy()
             self.group = None
         self._cache.clear()
+        self._stream_bufs, self.mailbox = [], None

@@ -10,8 +10,13 @@ that shares its device with engines) hands each such engine an IPC handle of the
 buffer is packed again (bucket k + 2) the sender waits for that buffer's broadcast and for every
 engine's acknowledgement, so packing bucket k + 1 overlaps the transfer and load of bucket k.
 
-How a handle reaches an engine is injected (`deliver`/`wait` callables): the actor shell uses Ray
-calls, tests may call a receiver directly. This module never imports Ray.
+An ipc engine is fed one of two ways. A *stream* engine (ours: hf, vLLM) opened both buffers once and gave us
+its mailbox (`attach_mailbox`): per bucket we publish the bucket's sequence number and checksums into the
+mailbox and, before refilling a buffer, wait for the engine's acknowledgement there (microseconds; see
+mailbox.py). Any other ipc engine (SGLang) gets each bucket's handle by a call, injected as `deliver`/`wait`
+callables: the actor shell uses Ray calls, tests may call a receiver directly. With `bcast_sums`, rank 0
+follows the last broadcast bucket with its checksums so broadcast receivers verify themselves.
+This module never imports Ray.
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ import torch
 from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.weight_sync.buckets import BucketLayout, bucket_checksums, max_bucket_bytes, slot_view
 from rlhf_orch.weight_sync.collective import BroadcastGroup
-from rlhf_orch.weight_sync.ipc import allocate_shared, export_handle
+from rlhf_orch.weight_sync.ipc import IpcHandle, allocate_shared, export_handle
+from rlhf_orch.weight_sync.mailbox import SLOTS, Mailbox, seq_of
 
 Deliver = Callable[[str, object, int, int], object]   # (engine, IpcHandle, bucket index, version) -> token
 Wait = Callable[[object], list[int]]                   # token -> engine's checksums for that bucket
@@ -42,51 +48,70 @@ class SendResult:
 
 class WeightSender:
     def __init__(self, layouts: Sequence[BucketLayout], device: torch.device, ipc_engines: Sequence[str] = (),
-                 group: BroadcastGroup | None = None, verify: bool = True):
+                 group: BroadcastGroup | None = None, verify: bool = True, bcast_sums: bool = False,
+                 timeout_s: float = 300.0):
         self.layouts = list(layouts)
         self.device = device
         self.ipc_engines = list(ipc_engines)
         self.group = group
         self.verify = verify
+        self.bcast_sums = bool(bcast_sums and verify and group is not None)
+        self.timeout_s = float(timeout_s)
+        self.mailboxes: dict[str, Mailbox] = {}   # stream engines (attach_mailbox); the rest get calls
         self.active = bool(self.ipc_engines) or group is not None
         self._bufs: list[tuple[str, torch.Tensor]] = []
         self._handles = []
         if self.active:
             n = max_bucket_bytes(self.layouts)
-            self._bufs = [allocate_shared(n, device) for _ in range(2)]
+            self._bufs = [allocate_shared(n, device) for _ in range(SLOTS)]
             for _, b in self._bufs:
                 b.zero_()   # alignment padding is never written: keep it identical on both sides
             self._handles = [export_handle(bid, b) if self.ipc_engines else None for bid, b in self._bufs]
+
+    def buffer_handles(self) -> list[IpcHandle]:
+        """The ring buffers' handles, for engines that stream (opened once by `WeightReceiver.connect_stream`)."""
+        return list(self._handles) if self.ipc_engines else []
+
+    def attach_mailbox(self, engine: str, handle: bytes) -> None:
+        if engine not in self.ipc_engines:
+            raise ValueError(f"{engine} is not an ipc engine of this rank")
+        self.mailboxes[engine] = Mailbox.attach(handle)
 
     def _sync_device(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def send(self, named: Iterator[tuple[str, torch.Tensor]], version: int,
-             deliver: Deliver | None = None, wait: Wait | None = None) -> SendResult:
-        res = SendResult(engine_checksums={e: [] for e in self.ipc_engines})
+             deliver: Deliver | None = None, wait: Wait | None = None, sync_id: int = 0) -> SendResult:
+        """`sync_id` numbers this sync for stream engines (the coordinator's count, the same on both sides)."""
+        called = [e for e in self.ipc_engines if e not in self.mailboxes]
+        res = SendResult(engine_checksums={e: [] for e in called})
         t_start = time.perf_counter()
         if not self.active:
             for _ in named:   # ZeRO-3 ranks must still take part in every gather
                 pass
             return res
-        if self.ipc_engines and (deliver is None or wait is None):
-            raise ValueError("ipc engines need deliver and wait callables")
-        pending: list[list] = [[], []]   # per buffer: broadcast work and ipc tokens in flight
+        if called and (deliver is None or wait is None):
+            raise ValueError("ipc engines without a mailbox need deliver and wait callables")
+        deadline = time.monotonic() + self.timeout_s
+        pending: list[list] = [[] for _ in range(SLOTS)]   # per buffer: broadcast work, ipc tokens, stream acks
 
         def drain(slot: int):
             t0 = time.perf_counter()
             for kind, engine, token in pending[slot]:
                 if kind == "bcast":
                     token.wait()
+                elif kind == "stream":
+                    self.mailboxes[engine].wait_done(slot, token, deadline, f"{engine} loading bucket {token % (1 << 20) - 1}")
                 else:
                     res.engine_checksums[engine].extend(wait(token))
             pending[slot] = []
             res.wait_s += time.perf_counter() - t0
 
         it = iter(named)
+        first = 0   # index of the bucket's first tensor in the flat checksum list
         for layout in self.layouts:
-            slot = layout.index % 2
+            slot = layout.index % SLOTS
             drain(slot)
             buf = self._bufs[slot][1]
             t0 = time.perf_counter()
@@ -108,8 +133,10 @@ class WeightSender:
                 srcs.append(t)
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
             del srcs
+            sums: list[int] = []
             if self.verify:
-                res.checksums.extend(bucket_checksums(layout, buf))   # its host read also waits for the copies
+                sums = bucket_checksums(layout, buf)   # its host read also waits for the copies
+                res.checksums.extend(sums)
             elif self.ipc_engines:
                 self._sync_device()   # another process reads this buffer: the copies must be done first
             res.pack_s += time.perf_counter() - t0
@@ -118,12 +145,22 @@ class WeightSender:
                 work = self.group.broadcast(buf[:layout.nbytes], src=0, async_op=True)
                 pending[slot].append(("bcast", None, work))
             for engine in self.ipc_engines:
-                pending[slot].append(("ipc", engine, deliver(engine, self._handles[slot], layout.index, version)))
+                box = self.mailboxes.get(engine)
+                if box is not None:
+                    seq = seq_of(sync_id, layout.index)
+                    box.publish(slot, seq, first, sums)
+                    pending[slot].append(("stream", engine, seq))
+                else:
+                    pending[slot].append(("ipc", engine, deliver(engine, self._handles[slot], layout.index, version)))
+            first += len(layout.slots)
         n = len(self.layouts)     # oldest in-flight bucket first, so acks stay in layout order
-        drain(n % 2)
-        drain((n + 1) % 2)
+        for k in range(SLOTS):
+            drain((n + k) % SLOTS)
         if next(it, None) is not None:
             raise WeightSyncError("trainer yielded more tensors than the layout expects; re-plan the sync")
+        if self.bcast_sums:
+            # Broadcast engines compare each tensor with these before they resume (receiver.py).
+            self.group.broadcast(torch.tensor(res.checksums, dtype=torch.int64, device=self.device), src=0)
         self._sync_device()
         res.total_s = time.perf_counter() - t_start
         return res

@@ -55,14 +55,14 @@ def _check_logprobs(engine, model_dir, version):
     assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(ref), atol=0.05), (s.logprobs, ref)
 
 
-@pytest.mark.parametrize("placement", ["nccl", "ipc"])
+@pytest.mark.parametrize("placement", ["nccl", "ipc", "ipc_stream"])
 def test_sync_into_vllm(engine, dirs, placement):
     from rlhf_orch.types import ParamSpec, dtype_name
     from rlhf_orch.weight_sync import WeightSender, plan_buckets
     from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
     if placement == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    target = dirs[1] if placement == "nccl" else dirs[0]     # each test moves the engine to other weights
+    target = dirs[0] if placement == "ipc" else dirs[1]     # each test moves the engine to other weights
     dev = torch.device("cuda", 1 if placement == "nccl" else 0)
     weights = [(n, t.to(dev)) for n, t in named_weights(target, torch.bfloat16)]
     layouts = plan_buckets([ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in weights], 64 * 1024)
@@ -74,10 +74,11 @@ def test_sync_into_vllm(engine, dirs, placement):
         def trainer_side():
             g = BroadcastGroup("nccl", "127.0.0.1", port, 0, 2, 120, dev)
             g.warmup()
-            box["sender"] = WeightSender(layouts, dev, [], g)
+            box["sender"] = WeightSender(layouts, dev, [], g, bcast_sums=True)   # the engine checks the sums itself
         t = threading.Thread(target=trainer_side)
         t.start()
-        engine.setup_receiver(layouts, {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 2}, 1, True, 120)
+        engine.setup_receiver(layouts, {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 2,
+                                        "sums": True}, 1, True, 120)
         t.join(120)
         res = {}
         t = threading.Thread(target=lambda: res.update(r=box["sender"].send(iter(weights), 2)))
@@ -86,12 +87,23 @@ def test_sync_into_vllm(engine, dirs, placement):
         t.join(120)
         sent = res["r"]
         assert got == sent.checksums
-    else:
+    elif placement == "ipc":
         engine.setup_receiver(layouts, None, 0, True, 120)
         sender = WeightSender(layouts, dev, ["v"])
         sent = sender.send(iter(weights), 3, deliver=lambda e, h, i, v: engine.receive_ipc(h, i, True), wait=lambda x: x)
         assert sent.engine_checksums["v"] == sent.checksums
-    version = 2 if placement == "nccl" else 3
+    else:   # one call per sync: the worker takes every bucket through the mailbox and checks each tensor
+        engine.setup_receiver(layouts, None, 0, True, 120)
+        sender = WeightSender(layouts, dev, ["v"], timeout_s=120)
+        sender.attach_mailbox("v", engine.connect_stream(sender.buffer_handles(), 120))
+        res = {}
+        t = threading.Thread(target=lambda: res.update(r=sender.send(iter(weights), 4, sync_id=1)))
+        t.start()
+        got, timings = engine.receive_stream(1, True)
+        t.join(120)
+        sent = res["r"]
+        assert got == sent.checksums and sent.engine_checksums == {} and timings["load_s"] > 0
+    version = {"nccl": 2, "ipc": 3, "ipc_stream": 4}[placement]
     engine.finish_sync(version)
     engine.resume()
     _check_logprobs(engine, target, version)
