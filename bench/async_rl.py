@@ -59,7 +59,7 @@ def build(args, out: Path):
     else:
         import torch
         from transformers import AutoModelForCausalLM, LlamaConfig
-        from bench.weight_sync_vllm import SHAPES
+        from bench.shapes import SHAPES
         model_path = str(out / "llama-3.2-1b-random")
         if not (Path(model_path) / "config.json").exists():
             cfg = LlamaConfig(**SHAPES["llama-3.2-1b"], max_position_embeddings=args.cap + 64, bos_token_id=1,
@@ -97,7 +97,7 @@ def build(args, out: Path):
         "rollout": {"max_staleness": 1, "partial_rollouts": True, "dispatch_groups": args.dispatch_groups},
         "weight_sync": {"bucket_size_mb": 1 if args.dry_run else 512},
         "reward": {"function": "bench.async_rl:reward", "num_workers": 2},
-        "metrics": {"tensorboard": False, "ray_metrics": False, "plots": True},
+        "metrics": {"trackers": ["jsonl"], "ray_metrics": False, "plots": True},
         "ray": {"num_cpus": 2} if args.dry_run else {},
     }
     path = out / "async_rl.yaml"

@@ -6,7 +6,7 @@
 
 Target (issue "rollout tokens/s"): ours within 5% of bare vLLM, i.e. ours/bare >= 0.95.
 
-The model is random ("dummy" weights) in a real shape: a LlamaConfig from bench/weight_sync_vllm.py saved
+The model is random ("dummy" weights) in a real shape: a LlamaConfig from bench/shapes.py saved
 with our character tokenizer (51 ids). The model's vocabulary stays the real 128,256 by default: vLLM
 accepts prompt ids up to the model's vocab size (v1/engine/input_processor.py:483) and detokenizes ids the
 tokenizer lacks as "" (tokenizers' DecodeStream returns None for them, detokenizer.py:223), so nothing
@@ -54,7 +54,7 @@ def build_model(args) -> str:
         from rlhf_orch.models import TinyModelSpec, ensure_model_dir
         return str(ensure_model_dir("tiny-llama", TinyModelSpec(), root / "tiny", seed=0))
     from transformers import LlamaConfig
-    from bench.weight_sync_vllm import SHAPES
+    from bench.shapes import SHAPES
     from rlhf_orch.models import build_tokenizer
     tok = build_tokenizer()
     shape = dict(SHAPES[args.model])

@@ -3,8 +3,12 @@
 Weight sync depends on bytes and tensor counts, not values, so these lists stand in for checkpoints:
 Llama-3.2-1B (146 tensors, 2.47 GB bf16), Llama-3.1-8B (291 tensors, 16.06 GB) and Qwen3-30B-A3B
 with per-expert tensors as in its HF checkpoint (18,867 tensors, ~61 GB). `tiny` is for smoke runs.
+`SHAPES` (Llama config arguments) and `model_dir` give engines (vLLM, SGLang) a config folder of the same
+shape to start from with `load_format="dummy"`: the folder holds no weights.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 from rlhf_orch.types import ParamSpec
 
@@ -59,3 +63,34 @@ MODELS = {
     "llama-3.1-8b": lambda: llama(128256, 4096, 14336, 32, 32, 8, tied=False),
     "qwen3-30b-a3b": qwen3_moe,
 }
+
+# transformers config arguments of the same shapes (bench/rollout.py and bench/async_rl.py use the Llama ones)
+SHAPES = {"llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+          "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+          "tiny": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)}
+QWEN3_MOE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                 num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                 num_experts_per_tok=8, tie_word_embeddings=False)
+
+
+def hf_config(model: str):
+    """The transformers config whose checkpoint tensors are MODELS[model]() (names and shapes; transformers 5 fuses
+    the MoE experts in memory, but engines load per-expert checkpoint names, as MODELS lists them)."""
+    from transformers import LlamaConfig, Qwen3MoeConfig
+    if model == "qwen3-30b-a3b":
+        return Qwen3MoeConfig(**QWEN3_MOE, max_position_embeddings=2048, torch_dtype="bfloat16",
+                              architectures=["Qwen3MoeForCausalLM"])
+    return LlamaConfig(**SHAPES[model], max_position_embeddings=2048, torch_dtype="bfloat16",
+                       architectures=["LlamaForCausalLM"])
+
+
+def model_dir(model: str, root: Path) -> str:
+    """A model folder (config + our character tokenizer, no weights) for an engine started with load_format="dummy"."""
+    from rlhf_orch.models import build_tokenizer
+    path = Path(root) / model
+    hf_config(model).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return str(path)

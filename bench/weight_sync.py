@@ -1,317 +1,475 @@
-"""Weight-sync benchmark on GPUs: ours vs the hardware floor vs the naive per-parameter path.
+"""Weight-sync benchmark: our sync against the hardware floor, for each engine, placement, model shape and fan-out.
 
-    python bench/weight_sync.py --models llama-3.2-1b llama-3.1-8b qwen3-30b-a3b --out bench/RESULTS.md
+    python bench/weight_sync.py                                  # raw receiver, 3 shapes, both placements (2 GPUs)
+    python bench/weight_sync.py --engine vllm --models llama-3.1-8b --out bench/RESULTS.md --json $OUT/sync.json
+    PYTHONPATH=/tmp/site-sglang:$PWD python bench/weight_sync.py --engine sglang --models llama-3.2-1b
+    python bench/weight_sync.py --engine vllm --placements disagg --receivers 1 3 tp2 tp1+tp2 --shard-floor  # 4 GPUs
+    python bench/weight_sync.py --dry-run                        # CPU: raw receivers over gloo and shared memory
 
-Two processes per case, as in production: a "trainer" holding random bf16 weights in real shapes
-(bench/shapes.py) and an "engine" holding its own copy. Disaggregated: trainer on GPU 1, engine on GPU 0,
-NCCL. Colocated: both on GPU 0, CUDA IPC. For each case, in the same run:
-  floor  - disaggregated: one NCCL broadcast of all the bytes in one buffer; colocated: one
-           device-to-device copy of them (the least any sync must do);
-  naive  - what users run today: one control message plus one broadcast (or one CUDA IPC handle)
-           per parameter, loaded one tensor at a time;
-  ours   - WeightSender/WeightReceiver: bucketed, double-buffered, one control message per sync
-           (disaggregated) or per bucket (colocated), with and without checksum verification.
-Control messages go over a pipe (a stand-in for the Ray call, same for naive and ours). Every timed
-sync ends when the engine reports done. Medians of `--repeats` after a warm-up. The engine's weights
-are checked against the trainer's after our sync (checksums), so a fast wrong sync cannot pass.
+This process is the trainer, rank 0 on GPU 0, holding random bf16 weights in a real shape (bench/shapes.py).
+Every receiver is its own process that sees only its GPUs (bench/sync_bench_lib.py): `raw` is our WeightReceiver
+loading into a dict of tensors (no inference engine), `vllm` and `sglang` are rlhf_orch's engines ("dummy"
+weights of the same shape). Colocated: every engine on GPU 0 (ipc); disaggregated: engines on GPUs 1.. in one
+NCCL group, every engine worker a rank. The transports come from make_plan on the processes' real device ids, and
+a sync is the coordinator's (actors/coordinator.py): engines that stream (raw, vLLM) take it in one call that
+pauses, receives, checks every tensor against the trainer's checksums and resumes (RolloutActor.sync_weights);
+the others (SGLang) are paused, fed bucket by bucket, compared here, and resumed. Control messages go over pipes,
+a cheaper stand-in for Ray calls. Every case runs --warmup + --repeats rounds (>= 10 by default); a round is, in
+this order, so drift hits all alike:
+  floor     colocated: a device-to-device copy of the same bytes on GPU 0 (bucket by bucket); disaggregated: a raw
+            broadcast of the same bytes, bucket by bucket, all posted at once, from GPU 0 into every receiving GPU
+            (plain processes beside the engines, in their own group)
+  sync      ours, verified: the trainer's and every engine's checksums must match (asserted, every round)
+  floor1    (more than one receiving GPU) the raw broadcast into the first receiving GPU only
+  shard     (--shard-floor) 1/k of every bucket to each of the k receiving GPUs at once, one group each: what
+            sending each TP worker only its shard could at best save
+  one_call  (sglang) SGLang's own single, unverified call for all tensors: update_weights_from_distributed while
+            the trainer broadcasts tensor by tensor, or (colocated) update_weights_from_tensor of the engine
+            process's own tensors
+The trainer negates its weights before every round (untimed): an engine left with old weights fails the check.
+"sync" ms are sync/transfer_s + sync/verify_s (what the floor bounds); the phase table gives the coordinator's
+sync/* metrics (medians) to explain a miss. --naive adds the per-parameter path (one call and one broadcast or
+fresh IPC handle per tensor) after the rounds. Tables: markdown (--out appends) and JSON (--json).
 """
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
-import pickle
+import re
 import statistics
 import sys
 import time
+import traceback
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
-from bench.shapes import MODELS  # noqa: E402
+from bench.shapes import MODELS, SHAPES, model_dir  # noqa: E402
+from bench.sync_bench_lib import HOST, SAFE_ENV, TIMEOUT_S, Pool, as_json, markdown  # noqa: E402
 from rlhf_orch.types import dtype_from_name  # noqa: E402
-from rlhf_orch.weight_sync import WeightReceiver, WeightSender, plan_buckets  # noqa: E402
-from rlhf_orch.weight_sync.buckets import checksums  # noqa: E402
+from rlhf_orch.weight_sync import WeightSender, digest, make_plan, plan_buckets  # noqa: E402
 from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port  # noqa: E402
-from rlhf_orch.weight_sync.ipc import open_handle  # noqa: E402
+from rlhf_orch.weight_sync.ipc import allocate_shared, export_handle  # noqa: E402
+from rlhf_orch.weight_sync.verify import mismatches  # noqa: E402
+
+PLACEMENTS = {"colocated": "colocated", "coloc": "colocated", "disaggregated": "disaggregated", "disagg": "disaggregated"}
+ENGINE_MODELS = {"raw": list(MODELS), "vllm": [*SHAPES, "qwen3-30b-a3b"], "sglang": [*SHAPES, "qwen3-30b-a3b"]}
 
 
-def _alloc(specs, device, random: bool):
-    out = {}
-    for s in specs:
-        t = torch.empty(s.shape, dtype=dtype_from_name(s.dtype), device=device)
-        if random:
-            t.normal_()
-        out[s.name] = t
+def parse_receivers(spec: str) -> list[int]:
+    """TP size of each engine: '3' = three TP=1 engines, 'tp2' = one TP=2 engine, '2xtp1+tp2' = two TP=1 and a TP=2."""
+    if spec.isdigit() and int(spec) > 0:
+        return [1] * int(spec)
+    out = []
+    for part in spec.split("+"):
+        m = re.fullmatch(r"(?:([1-9]\d*)x)?tp([1-9]\d*)", part)
+        if m is None:
+            raise SystemExit(f"--receivers {spec!r}: use a count (3), tpN (tp2), KxtpN (2xtp1) or several joined by +")
+        out += [int(m.group(2))] * int(m.group(1) or 1)
     return out
 
 
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+class Trainer:
+    """Rank 0: random weights of one model shape, their buckets, and two bucket-sized buffers for the floors."""
+
+    def __init__(self, model: str, args, dev: torch.device):
+        self.model, self.dev = model, dev
+        self.specs = MODELS[model]()
+        self.layouts = plan_buckets(self.specs, int(args.bucket_mb * 2**20))
+        self.sizes = [lay.nbytes for lay in self.layouts]
+        self.params = {s.name: torch.empty(s.shape, dtype=dtype_from_name(s.dtype), device=dev).normal_() for s in self.specs}
+        self.bufs = [torch.empty(max(self.sizes), dtype=torch.uint8, device=dev).random_(0, 255) for _ in range(2)]
+        self.id = f"gpu-{torch.cuda.get_device_properties(dev).uuid}" if dev.type == "cuda" else "cpu-slot0"
+        self.path = "" if args.engine == "raw" else model_dir(model, Path(os.environ.get("TMPDIR", "/tmp")) / "rlhf_orch_sync_bench")
+
+    def sync(self):
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
 
 
-def _device(index: int) -> torch.device:
-    # --device cpu runs the same protocol with gloo and shared memory (a smoke test of the script itself)
-    if os.environ.get("RLHF_BENCH_DEVICE", "cuda") == "cpu":
-        return torch.device("cpu")
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+class Case:
+    """One (model, placement, receivers) case: its receivers, groups and sender, then the interleaved rounds."""
+
+    def __init__(self, tr: Trainer, placement: str, spec: str, args, pool: Pool):
+        self.tr, self.placement, self.spec, self.args = tr, placement, spec, args
+        self.coloc, self.verify, self.sync_id, self.last = placement == "colocated", not args.no_verify, 0, None
+        self.group, self.fgroups, self.sender = None, {}, None
+        tps = parse_receivers(spec)
+        self.gpus, nxt = [], 1
+        for tp in tps:
+            self.gpus.append("0" if self.coloc else ",".join(str(g) for g in range(nxt, nxt + tp)))
+            nxt += 0 if self.coloc else tp
+        keys = [("engine", tr.model, g, tp, i) for i, (g, tp) in enumerate(zip(self.gpus, tps))]
+        hosts = pool.take(keys + [("floor", "", str(g), 1, 0) for g in range(1, nxt)])
+        self.engines, self.floors = {f"e{i}": h for i, h in enumerate(hosts[:len(keys)])}, hosts[len(keys):]
+        new = [(i, h, tp) for i, (h, tp) in enumerate(zip(self.engines.values(), tps)) if not h.info]
+        for i, h, tp in new:   # engines start at once, in their own processes
+            h.send("start", args.engine, tr.model, self._engine_kwargs(f"{args.engine}{i}-gpu{h.gpus.replace(',', '')}", tp))
+        for _, h, _ in new:
+            h.info = h.get()
+        self.label = next(iter(self.engines.values())).info[2]
+        self._plan_and_setup()
+        self.parts = {}
+        if not self.coloc:
+            self.parts["floor"] = [("all", self.floors, tr.sizes)]
+            if len(self.floors) > 1:
+                self.parts["floor1"] = [("one", self.floors[:1], tr.sizes)]
+            if len(self.floors) > 1 and args.shard_floor:
+                k = len(self.floors)
+                self.parts["shard"] = [(f"s{i}", [h], [n // k + (n % k if i == k - 1 else 0) for n in tr.sizes])
+                                       for i, h in enumerate(self.floors)]
+            for key, hs, _ in (p for ps in self.parts.values() for p in ps):
+                self.fgroups[key] = self._raw_group(key, hs)
+        if args.engine == "sglang" and self.coloc and (args.naive or not args.no_one_call):
+            self._all("own_tensors")
+
+    def _engine_kwargs(self, name: str, tp: int) -> dict:
+        a = self.args
+        if a.engine == "vllm":
+            return dict(name=name, model_path=self.tr.path, dtype="bfloat16", load_format="dummy", seed=0,
+                        gpu_memory_utilization=a.gpu_mem, kv_cache_memory_gb=a.kv_gb, enforce_eager=True,
+                        enable_sleep_mode=False, max_model_len=64, tensor_parallel_size=tp)
+        if a.engine == "sglang":
+            return dict(name=name, model_path=self.tr.path, dtype="bfloat16", load_format="dummy", context_length=64,
+                        mem_fraction_static=a.gpu_mem, disable_cuda_graph=True, tensor_parallel_size=tp)
+        return {}
+
+    def _plan_and_setup(self):
+        """The coordinator's setup: plan from device ids, group on every side at once, mailboxes for streams."""
+        tr, hosts = self.tr, self.engines
+        self.plan = plan = make_plan([tr.id], {n: list(h.info[1]) for n, h in hosts.items()})
+        want = "ipc" if self.coloc else "broadcast"
+        if any(r.transport != want for r in plan.routes.values()):
+            raise RuntimeError(f"{self.placement} engines should be fed by {want}, but the plan is {plan.summary()}")
+        streams = {n: h.info[3] and not self.args.stepwise for n, h in hosts.items()}
+        bcast_sums = self.verify and all(streams[n] for n in plan.broadcast_engines)
+        ipc = plan.ipc_targets.get(0, [])
+        self.streaming = {e for e in ipc if streams[e]} | (set(plan.broadcast_engines) if bcast_sums else set())
+        group = None
+        if plan.group_world_size:
+            group = {"backend": "nccl" if tr.dev.type == "cuda" else "gloo", "host": HOST, "port": free_port(HOST),
+                     "world_size": plan.group_world_size, "sums": bcast_sums}
+        for n, r in plan.routes.items():
+            hosts[n].send("setup", tr.layouts, group if r.transport == "broadcast" else None,
+                          r.group_ranks[0] if r.group_ranks else 0, self.verify)
+        if group is not None:   # returns once every rank joined and warmed up
+            self.group = BroadcastGroup(group["backend"], HOST, group["port"], 0, group["world_size"], TIMEOUT_S, tr.dev)
+            self.group.warmup()
+        for h in hosts.values():
+            h.get()
+        self.sender = WeightSender(tr.layouts, tr.dev, ipc, self.group, self.verify, bcast_sums=bcast_sums, timeout_s=TIMEOUT_S)
+        for e in ipc:
+            if streams[e]:
+                self.sender.attach_mailbox(e, hosts[e].call("connect_stream", self.sender.buffer_handles()))
+
+    def _raw_group(self, key: str, hosts) -> BroadcastGroup:
+        port, world = free_port(HOST), len(hosts) + 1
+        for rank, h in enumerate(hosts, start=1):
+            h.send("join", key, port, rank, world)
+        g = BroadcastGroup("nccl" if self.tr.dev.type == "cuda" else "gloo", HOST, port, 0, world, TIMEOUT_S, self.tr.dev)
+        g.warmup()
+        for h in hosts:
+            h.get()
+        return g
+
+    def _all(self, cmd: str, *args, names=None) -> list:
+        hs = [self.engines[n] for n in (self.engines if names is None else names)]
+        for h in hs:
+            h.send(cmd, *args)
+        return [h.get() for h in hs]
+
+    # ---- the measurements ---------------------------------------------------------------------------
+    def floor_copy(self) -> float:
+        a, b = self.tr.bufs
+        self.tr.sync()
+        t0 = time.perf_counter()
+        for n in self.tr.sizes:
+            b[:n].copy_(a[:n])
+        self.tr.sync()
+        return time.perf_counter() - t0
+
+    def floor_bcast(self, parts) -> float:
+        t0 = time.perf_counter()
+        for key, hs, sizes in parts:
+            for h in hs:
+                h.send("floor", key, sizes)
+        works = [self.fgroups[key].broadcast(self.tr.bufs[i % 2][:sizes[i]], async_op=True)
+                 for i in range(len(self.tr.sizes)) for key, _, sizes in parts]
+        for w in works:
+            w.wait()
+        self.tr.sync()
+        for _, hs, _ in parts:
+            for h in hs:
+                h.get()
+        return time.perf_counter() - t0
+
+    def sync(self, version: int) -> tuple[float, dict, dict]:
+        """One sync as WeightSyncCoordinator._sync runs it; returns (transfer + verify seconds, sync/* metrics, engine's)."""
+        tr, hosts, plan = self.tr, self.engines, self.plan
+        stepwise = [n for n in hosts if n not in self.streaming]
+        t0 = time.perf_counter()
+        self._all("pause", names=stepwise)
+        t_pause = time.perf_counter()
+        self.sync_id += 1
+        for n in self.streaming:
+            hosts[n].send("sync_weights", version, self.sync_id, plan.routes[n].transport)
+        bcast = [n for n in plan.broadcast_engines if n not in self.streaming]
+        for n in bcast:
+            hosts[n].send("recv")
+        sent = self.sender.send(iter(tr.params.items()), version, lambda e, h, i, v: hosts[e].send("ipc", h, i) or e,
+                                lambda e: hosts[e].get(), self.sync_id)
+        synced = {n: hosts[n].get() for n in self.streaming}
+        received = {n: hosts[n].get() for n in bcast}
+        t_transfer = time.perf_counter()
+        acks, sums = dict(sent.engine_checksums), {n: r[0] for n, r in received.items()}
+        for n, r in synced.items():
+            (acks if plan.routes[n].transport == "ipc" else sums)[n] = r["sums"]
+        bad = mismatches(plan, tr.layouts, [sent.checksums], [acks], sums) if self.verify else []
+        t_verify = time.perf_counter()
+        if bad:
+            raise AssertionError(f"sync v{version} failed verification: " + "; ".join(bad))
+        if self.verify:   # the checksums must cover every tensor and differ from the last round's (weights negated)
+            d = digest(sent.checksums)
+            assert len(sent.checksums) == len(tr.specs) and d != self.last, "the trainer's checksums did not change"
+            self.last = d
+        ipc_s = [s for n, s in zip(stepwise, self._all("finish", version, names=stepwise)) if plan.routes[n].transport == "ipc"]
+        self._all("resume", names=stepwise)
+        t_end = time.perf_counter()
+        eng: dict[str, float] = {}   # what the engines report (slowest engine); stepwise ipc: their bucket calls
+        for k, v in [kv for r in synced.values() for kv in r.items() if kv[0] != "sums"] + \
+                    [kv for _, m in received.values() for kv in m.items()] + [("ipc_calls_s", s) for s in ipc_s]:
+            eng[k] = max(eng.get(k, float("-inf")), float(v))
+        transfer = t_transfer - t_pause
+        return transfer + t_verify - t_transfer, {
+            "sync/pause_s": max([t_pause - t0] + [r["pause_s"] for r in synced.values()]),
+            "sync/transfer_s": transfer, "sync/pack_s": sent.pack_s, "sync/wait_s": sent.wait_s,
+            # load: broadcast receivers' and streams' own figure; stepwise ipc engines: their bucket calls (here only)
+            "sync/load_s": max([m["load_s"] for _, m in received.values()] + [r["load_s"] for r in synced.values()] + ipc_s,
+                               default=0.0),
+            "sync/verify_s": t_verify - t_transfer,
+            "sync/resume_s": max([t_end - t_verify] + [r["finish_s"] for r in synced.values()]),
+            "sync/total_s": t_end - t0, "sync/gbps": sum(tr.sizes) / max(transfer, 1e-9) / 1e9}, eng
+
+    def _with_broadcast(self, cmd: str, *args) -> float:
+        """Engines run `cmd` (hook off: SGLang's own calls must not pay for our checksums) while the trainer
+        broadcasts every tensor in order (disaggregated)."""
+        self._all("hook", False)
+        t0 = time.perf_counter()
+        for h in self.engines.values():
+            h.send(cmd, *args)
+        if not self.coloc:
+            for t in self.tr.params.values():
+                self.group.broadcast(t)
+            self.tr.sync()
+        for h in self.engines.values():
+            h.get()
+        dt = time.perf_counter() - t0
+        self._all("hook", True)
+        return dt
+
+    def naive(self) -> float:
+        if not self.coloc or self.args.engine == "sglang":
+            return self._with_broadcast("naive" if not self.coloc else "naive_local")
+        tr = self.tr
+        t0 = time.perf_counter()
+        for s in tr.specs:   # a fresh buffer per tensor, as a ZeRO-3 gather hands over, so a fresh handle to open
+            bid, fresh = allocate_shared(s.nbytes, tr.dev)
+            fresh.view(dtype_from_name(s.dtype)).view(s.shape).copy_(tr.params[s.name])
+            tr.sync()
+            for h in self.engines.values():   # one handle (one torch IPC reference) per engine, or it is never freed
+                h.send("naive_ipc", s.name, export_handle(bid, fresh), s.dtype, tuple(s.shape))
+            for h in self.engines.values():
+                h.get()
+            del fresh
+        dt = time.perf_counter() - t0
+        if tr.dev.type == "cuda":
+            torch.cuda.ipc_collect()   # blocks shared by IPC stay allocated until collected: a model's worth per pass
+        return dt
+
+    def run(self) -> dict:
+        a, tr = self.args, self.tr
+        measures, phases, receiver, verified = defaultdict(list), defaultdict(list), defaultdict(list), 0
+        for r in range(a.warmup + a.repeats):
+            torch._foreach_neg_(list(tr.params.values()))   # every round sends different bytes (untimed)
+            tr.sync()
+            rec = {"floor": self.floor_copy() if self.coloc else self.floor_bcast(self.parts["floor"])}
+            rec["sync"], ph, eng = self.sync(r)
+            for key in ("floor1", "shard"):
+                if key in self.parts:
+                    rec[key] = self.floor_bcast(self.parts[key])
+            if a.engine == "sglang" and not a.no_one_call:
+                rec["one_call"] = self._with_broadcast("one_call", self.coloc)
+            if r >= a.warmup:
+                verified += self.verify
+                for d, src in ((measures, rec), (phases, ph), (receiver, eng)):
+                    for k, v in src.items():
+                        d[k].append(v)
+        for r in range(a.naive_repeats + 1 if a.naive else 0):   # 10x slower: after the rounds, one warm-up
+            t = self.naive()
+            if r:
+                measures["naive"].append(t)
+        return dict(engine=self.label, model=tr.model, placement=self.placement, receivers=self.spec,
+                    gpus=" + ".join(self.gpus), bytes=sum(tr.sizes), tensors=len(tr.specs), buckets=len(tr.layouts),
+                    bucket_mb=a.bucket_mb, verify=self.verify, verified=verified, repeats=a.repeats, warmup=a.warmup,
+                    plan=self.plan.summary(), streaming=sorted(self.streaming),
+                    measures=dict(measures), phases=dict(phases), receiver=dict(receiver))
+
+    def close(self):
+        for h in self.floors:
+            h.send("drop")
+        for g in list(self.fgroups.values()) + ([self.group] if self.group else []):
+            g.destroy()
+        for h in self.floors:
+            h.get(60)
+        self.fgroups, self.group, self.sender = {}, None, None
+        gc.collect()
+        if self.tr.dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
-def _backend(dev) -> str:
-    return "nccl" if dev.type == "cuda" else "gloo"
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", default="raw", choices=["raw", "vllm", "sglang"])
+    ap.add_argument("--models", "--model", nargs="+", default=None, choices=list(MODELS),
+                    help="default: raw 1b 8b 30b-a3b (tiny on CPU); vllm 1b 8b; sglang 1b")
+    ap.add_argument("--placements", "--placement", nargs="+", default=["disaggregated", "colocated"], choices=list(PLACEMENTS))
+    ap.add_argument("--receivers", nargs="+", default=["1"],
+                    help="one case per spec: a count (3 engines), tpN (one TP=N engine), KxtpN, joined by + (tp1+tp2)")
+    ap.add_argument("--repeats", type=int, default=10, help="measured rounds (floor, sync, ... interleaved)")
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
+    ap.add_argument("--bucket-mb", type=float, default=512)
+    ap.add_argument("--no-verify", action="store_true", help="syncs without checksums (the cost of verification)")
+    ap.add_argument("--stepwise", action="store_true",
+                    help="feed engines that stream (raw, vLLM) the stepwise way: a call per bucket, as SGLang")
+    ap.add_argument("--shard-floor", action="store_true", help="also the per-shard ideal (>1 receiving GPU)")
+    ap.add_argument("--no-one-call", action="store_true", help="sglang: skip SGLang's own one-call baseline")
+    ap.add_argument("--naive", action="store_true", help="also the per-parameter path, after the rounds")
+    ap.add_argument("--naive-repeats", type=int, default=2)
+    ap.add_argument("--gpu-mem", type=float, default=0.35, help="vLLM gpu_memory_utilization / SGLang mem_fraction_static")
+    ap.add_argument("--kv-gb", type=float, default=2.0, help="vLLM kv_cache_memory_gb")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: raw receivers over gloo/shared memory")
+    ap.add_argument("--dry-run", action="store_true", help="CPU smoke run: --device cpu, tiny shape, 0.25 MiB buckets")
+    ap.add_argument("--out", default=None, help="append the tables, command and machine to this markdown file")
+    ap.add_argument("--json", default=None, help="write every round's seconds and the summaries to this JSON file")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.device, args.bucket_mb = "cpu", min(args.bucket_mb, 0.25)
+    if args.device == "cpu" and args.engine != "raw":
+        ap.error(f"--engine {args.engine} needs CUDA; on CPU use --engine raw")
+    args.models = args.models or (["tiny"] if args.device == "cpu" else
+                                  {"raw": ["llama-3.2-1b", "llama-3.1-8b", "qwen3-30b-a3b"], "vllm": ["llama-3.2-1b", "llama-3.1-8b"],
+                                   "sglang": ["llama-3.2-1b"]}[args.engine])
+    bad = [m for m in args.models if m not in ENGINE_MODELS[args.engine]]
+    if bad:
+        ap.error(f"--models {bad}: no engine config for {args.engine}; use {ENGINE_MODELS[args.engine]}")
+    args.placements = list(dict.fromkeys(PLACEMENTS[p] for p in args.placements))
+    if args.repeats < 1 or args.warmup < 0 or args.naive_repeats < 1:
+        ap.error("--repeats and --naive-repeats must be >= 1, --warmup >= 0")
+    for spec in args.receivers:
+        if args.engine == "raw" and max(parse_receivers(spec)) > 1:
+            ap.error(f"--receivers {spec}: the raw receiver is one rank (TP sizes are for vllm and sglang)")
+        if "colocated" in args.placements and max(parse_receivers(spec)) > 1:
+            ap.error(f"--receivers {spec}: colocated engines are single-GPU (one spanning GPUs is fed by broadcast); "
+                     "give TP sizes with --placements disaggregated only")
+    return args
 
 
-def trainer_main(conn, model, placement, port, bucket_mb, repeats, naive_repeats):
-    dev = _device(1 if placement == "disagg" else 0)
-    specs = MODELS[model]()
-    total = sum(s.nbytes for s in specs)
-    res = {"model": model, "placement": placement, "bytes": total, "tensors": len(specs), "bucket_mb": bucket_mb}
-    group = None
-    if placement == "disagg":
-        group = BroadcastGroup(_backend(dev), "127.0.0.1", port, 0, 2, 600, dev)
-        group.warmup()
-
-    def call(cmd, arg=None):
-        conn.send((cmd, arg))
-        return conn.recv()
-
-    def timed(fn, reps):
-        """Median wall time of fn() (which ends with the engine's reply), after one warm-up run."""
-        ts, out = [], None
-        for _ in range(reps + 1):
-            _sync(dev)
-            t0 = time.perf_counter()
-            out = fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts[1:]), out
-
-    # --- floors (before the weights exist, so the single buffers fit)
-    if placement == "disagg":
-        buf = torch.empty(total, dtype=torch.uint8, device=dev).random_()
-        call("bcast_alloc", total)
-
-        def floor():
-            conn.send(("bcast", None))
-            group.broadcast(buf)
-            return conn.recv()
-        res["floor_s"], _ = timed(floor, repeats)
-        del buf
-        call("free")
-    torch.cuda.empty_cache()
-    res["copy_floor_s"] = call("copy_floor", total)
-    if placement == "coloc":
-        res["floor_s"] = res["copy_floor_s"]
-
-    params = _alloc(specs, dev, random=True)
-    call("alloc")
-    # --- naive: one control message + one transfer per parameter, as engines' per-param APIs do
-    if placement == "disagg":
-        def naive():
-            conn.send(("naive", None))
-            for name, t in params.items():
-                conn.send(("p", name, None))
-                group.broadcast(t)
-            conn.send(("p", None, None))
-            return conn.recv()
+def environment(args) -> tuple[torch.device, str]:
+    """Process environment for the run; returns (the trainer's device, the machine in words)."""
+    for k, v in SAFE_ENV.items():
+        os.environ.setdefault(k, v)
+    if args.engine == "sglang":
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")   # as SGLang in its own processes, or the first broadcast fails
+    if args.device == "cpu":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")   # several processes' OpenMP pools on a few cores spin each other out
+        torch.set_num_threads(1)
+        dev, machine = torch.device("cpu"), f"CPU (smoke test: gloo, shared memory), torch {torch.__version__}"
     else:
-        from rlhf_orch.weight_sync.ipc import allocate_shared, export_handle
-
-        def naive():
-            conn.send(("naive", None))
-            for name, t in params.items():
-                # a fresh tensor per parameter, as a ZeRO-3 gather hands over (and so a fresh handle to open);
-                # like the per-parameter colocated APIs, wait for the engine's ack before freeing it
-                bid, fresh = allocate_shared(t.numel() * t.element_size(), dev)
-                fresh.view(t.dtype).view(t.shape).copy_(t)
-                _sync(dev)
-                conn.send(("p", name, pickle.dumps((export_handle(bid, fresh), t.dtype, tuple(t.shape)))))
-                conn.recv()
-                del fresh
-            conn.send(("p", None, None))
-            return conn.recv()
-    res["naive_s"], _ = timed(naive, naive_repeats)
-
-    # --- ours
-    layouts = plan_buckets(specs, int(bucket_mb * 2**20))
-    res["buckets"] = len(layouts)
-    for verify in (True, False):
-        sender = WeightSender(layouts, dev, ["engine"] if placement == "coloc" else [], group, verify=verify)
-        call("ours_setup", (layouts, verify))
-        last = {}
-
-        def ours():
-            conn.send(("ours", None))
-            r = sender.send(iter(params.items()), 1, deliver=lambda e, h, i, v: conn.send(("ipc", h, i)),
-                            wait=lambda _: conn.recv())
-            conn.send(("end", None, None))
-            last["r"] = r
-            return conn.recv()          # (engine checksums, load seconds) once everything is loaded
-        key = "ours_s" if verify else "ours_noverify_s"
-        res[key], (engine_sums, load_s) = timed(ours, repeats)
-        if verify:
-            r = last["r"]
-            got = r.engine_checksums["engine"][-len(r.checksums):] if placement == "coloc" else engine_sums
-            res["verified"] = bool(r.checksums) and got == r.checksums and len(r.checksums) == len(specs)
-            res.update(pack_s=r.pack_s, send_wait_s=r.wait_s, load_s=load_s)
-        sender = None   # free its buffers before the next variant allocates
-        torch.cuda.empty_cache()
-    call("quit")
-    return res
+        need = 1 + max(sum(parse_receivers(s)) for s in args.receivers) if "disaggregated" in args.placements else 1
+        if torch.cuda.device_count() < need:
+            sys.exit(f"needs {need} GPUs (trainer on GPU 0, disaggregated engines on GPUs 1..); found {torch.cuda.device_count()}")
+        dev = torch.device("cuda", 0)
+        torch.cuda.set_device(dev)
+        machine = (f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+                   f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    return dev, machine
 
 
-def engine_main(conn, model, placement, port):
-    dev = _device(0)
-    specs = MODELS[model]()
-    group = None
-    if placement == "disagg":
-        group = BroadcastGroup(_backend(dev), "127.0.0.1", port, 1, 2, 600, dev)
-        group.warmup()
-    params, buf, recv, verify = None, None, None, True
-    while True:
-        cmd, arg = conn.recv()[:2]
-        if cmd == "quit":
-            conn.send("bye")
-            return
-        if cmd == "bcast_alloc":
-            buf = torch.empty(arg, dtype=torch.uint8, device=dev)
-            conn.send("ok")
-        elif cmd == "bcast":
-            group.broadcast(buf)
-            _sync(dev)
-            conn.send("done")
-        elif cmd == "free":
-            buf = None
-            torch.cuda.empty_cache()
-            conn.send("ok")
-        elif cmd == "copy_floor":
-            a = torch.empty(arg, dtype=torch.uint8, device=dev).random_()
-            b = torch.empty_like(a)
-            for _ in range(2):
-                b.copy_(a)
-            ts = []
-            for _ in range(5):
-                if dev.type == "cuda":
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    s.record(); b.copy_(a); e.record(); e.synchronize()
-                    ts.append(s.elapsed_time(e) / 1e3)
-                else:
-                    t0 = time.perf_counter(); b.copy_(a); ts.append(time.perf_counter() - t0)
-            del a, b
-            torch.cuda.empty_cache()
-            conn.send(statistics.median(ts))
-        elif cmd == "alloc":
-            params = _alloc(specs, dev, random=False)
-            conn.send("ok")
-        elif cmd == "naive":
-            while True:
-                _, name, handle = conn.recv()
-                if name is None:
-                    break
-                if placement == "disagg":
-                    t = torch.empty_like(params[name])     # as engines do: receive into a fresh tensor, then load
-                    group.broadcast(t)
-                else:
-                    h, dtype, shape = pickle.loads(handle)
-                    t = open_handle(h).view(dtype).view(shape)   # opens one IPC handle per tensor
-                params[name].copy_(t)
-                if placement != "disagg":
-                    _sync(dev)
-                    del t
-                    conn.send("ack")
-            _sync(dev)
-            conn.send("done")
-        elif cmd == "ours_setup":
-            layouts, verify = arg
-            recv = WeightReceiver(layouts, dev,
-                                  lambda named: torch._foreach_copy_([params[n] for n, _ in named], [t for _, t in named]),
-                                  lambda names: checksums(params[n] for n in names))
-            if group is not None:
-                recv.attach_group(group)
-            conn.send("ok")
-        elif cmd == "ours":
-            t0 = time.perf_counter()
-            if placement == "disagg":
-                sums, m = recv.receive_broadcast(verify)
-                load_s = m["load_s"]
-                conn.recv()                                # the trainer's "end"
-            else:
-                sums, load_s = [], 0.0
-                while True:
-                    msg = conn.recv()
-                    if msg[0] == "end":
-                        break
-                    t1 = time.perf_counter()
-                    conn.send(recv.receive_ipc(msg[1], msg[2], verify))
-                    load_s += time.perf_counter() - t1
-            _sync(dev)
-            conn.send((sums, load_s))
-
-
-def run_case(model, placement, bucket_mb, repeats, naive_repeats):
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    port = free_port("127.0.0.1")
-    eng = ctx.Process(target=engine_main, args=(b, model, placement, port), daemon=True)
-    eng.start()
+def run_case(model: str, placement: str, bucket_mb: float = 512, repeats: int = 10, naive_repeats: int = 2,
+             engine: str = "raw", receivers: str = "1", device: str = "cuda") -> dict:
+    """One case, with the per-parameter path (tests/gpu/test_weight_sync_gpu.py); `verified` is True when every
+    measured sync was verified."""
+    args = parse_args(["--engine", engine, "--models", model, "--placements", placement, "--receivers", receivers,
+                       "--bucket-mb", str(bucket_mb), "--repeats", str(repeats), "--naive",
+                       "--naive-repeats", str(naive_repeats), "--device", device])
+    dev, _ = environment(args)
+    pool, case = Pool(args.device), None
     try:
-        return trainer_main(a, model, placement, port, bucket_mb, repeats, naive_repeats)
+        case = Case(Trainer(model, args, dev), args.placements[0], receivers, args, pool)
+        c = case.run()
     finally:
-        eng.join(timeout=60)
-        if eng.is_alive():
-            eng.terminate()
-
-
-def table(rows) -> str:
-    head = ("| model | placement | GB | tensors | buckets | floor ms | naive ms | ours ms | ours/floor | naive/ours | "
-            "ours no-verify ms | pack ms | load ms | verified |")
-    lines = [head, "|" + "---|" * 14]
-    for r in rows:
-        ms = lambda k: f"{r[k] * 1e3:.1f}" if k in r else "-"
-        lines.append(f"| {r['model']} | {r['placement']} | {r['bytes'] / 1e9:.2f} | {r['tensors']} | {r.get('buckets', '-')} | "
-                     f"{ms('floor_s')} | {ms('naive_s')} | {ms('ours_s')} | {r['ours_s'] / r['floor_s']:.2f}x | "
-                     f"{r['naive_s'] / r['ours_s']:.1f}x | {ms('ours_noverify_s')} | {ms('pack_s')} | {ms('load_s')} | "
-                     f"{r.get('verified')} |")
-    return "\n".join(lines)
+        if case is not None:
+            case.close()
+        pool.close()
+    return dict(c, verified=c["verify"] and c["verified"] == repeats)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b", "qwen3-30b-a3b"], choices=list(MODELS))
-    ap.add_argument("--placements", nargs="+", default=["disagg", "coloc"], choices=["disagg", "coloc"])
-    ap.add_argument("--bucket-mb", type=float, default=512)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--naive-repeats", type=int, default=2)
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: smoke-test the script with gloo")
-    ap.add_argument("--out", default=None, help="append the table, command and machine to this markdown file")
-    args = ap.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ["RLHF_BENCH_DEVICE"] = args.device
-    need = 2 if "disagg" in args.placements else 1
-    if args.device == "cuda" and torch.cuda.device_count() < need:
-        sys.exit(f"needs {need} GPUs (disaggregated runs use GPU 1 -> GPU 0); found {torch.cuda.device_count()}")
-    rows = []
-    for model in args.models:
-        for placement in args.placements:
-            t0 = time.perf_counter()
-            r = run_case(model, placement, args.bucket_mb, args.repeats, args.naive_repeats)
-            rows.append(r)
-            print(f"{model} {placement}: floor {r['floor_s']*1e3:.1f} ms, naive {r['naive_s']*1e3:.1f} ms, "
-                  f"ours {r['ours_s']*1e3:.1f} ms (no verify {r['ours_noverify_s']*1e3:.1f}), verified={r['verified']} "
-                  f"[{time.perf_counter() - t0:.0f}s]", flush=True)
-    text = table(rows)
+    args = parse_args()
+    dev, machine = environment(args)
+    pool, cases = Pool(args.device), []
+    try:
+        for model in args.models:
+            tr = Trainer(model, args, dev)
+            for placement in args.placements:
+                for spec in args.receivers:
+                    t0, case, failed = time.perf_counter(), None, False
+                    try:
+                        case = Case(tr, placement, spec, args, pool)
+                        c = case.run()
+                        cases.append(c)
+                        f, s = (statistics.median(c["measures"][k]) * 1e3 for k in ("floor", "sync"))
+                        ver = f"verified {c['verified']}/{args.repeats}" if c["verify"] else "checksums off"
+                        print(f"{c['engine']} {model} {placement} {spec}: floor {f:.1f} ms, sync {s:.1f} ms ({s / f:.2f}x), "
+                              f"{ver} [{time.perf_counter() - t0:.0f} s]", flush=True)
+                    except Exception as e:   # record it and go on: the other cases still run and report
+                        traceback.print_exc()
+                        failed = True
+                        cases.append(dict(engine=args.engine, model=model, placement=placement, receivers=spec,
+                                          error=f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:300]}"))
+                    finally:
+                        if case is not None:
+                            try:
+                                case.close()
+                            except Exception:
+                                failed = True
+                        if failed:
+                            pool.close()   # a failed receiver's state is unknown: start the next case afresh
+            del tr
+            gc.collect()
+    finally:
+        pool.close()
+    text = markdown(cases)
     print(text)
+    label = next((c["engine"] for c in cases if "error" not in c), args.engine)
     if args.out:
-        gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (smoke test)"
-        cmd = "python " + " ".join(sys.argv)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "a") as f:
-            nccl = ".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else "-"
-            f.write(f"\n## weight sync, {time.strftime('%Y-%m-%d')}, {torch.cuda.device_count()}x {gpu}, torch {torch.__version__}, "
-                    f"NCCL {nccl}\n\n`{cmd}`\n\n{text}\n")
+            f.write(f"\n## Weight sync, {label} ({time.strftime('%Y-%m-%d')}, {machine})\n\n"
+                    f"`python {' '.join(sys.argv)}`\n\n{text}\n")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine,
+                                               "command": "python " + " ".join(sys.argv), "args": vars(args),
+                                               "cases": as_json(cases)}, indent=1))
+    sys.exit(1 if any("error" in c for c in cases) else 0)
 
 
 if __name__ == "__main__":
