@@ -166,15 +166,7 @@ class WeightSyncWorkerExtension:
             raise RuntimeError(f"no received checksum for {missing[:5]} (sync with verify=True first)")
         return [sums[n] for n in names]
 
-    # ---- per-parameter paths and the raw link, for bench/weight_sync_vllm.py ----------------------------
-    def rlhf_recv_raw(self, nbytes: int) -> float:
-        """Receive one broadcast of `nbytes` into a fresh buffer (the link floor); returns seconds."""
-        buf = torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)
-        t0 = time.perf_counter()
-        self._rlhf_receiver().group.broadcast(buf)
-        torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
-
+    # ---- the per-parameter paths users run today, for `bench/weight_sync.py --naive` ------------------------
     def rlhf_receive_one(self, name: str, dtype: str, shape: list[int]) -> None:
         """The naive path users run today: one call and one broadcast per parameter, then load_weights."""
         from rlhf_orch.types import dtype_from_name

@@ -4,7 +4,7 @@ The sender packs bucket k into ring slot k % 2 of its own device buffers (whose 
 once, at setup). Before this module, each bucket then cost a Ray call to the engine actor plus a call into the
 engine's worker (~1-2 ms each way), so a sync of 64 buckets paid ~100 ms of round trips for ~10 ms of copying.
 Now the receiver runs one long call per sync that loops over the buckets, and the two sides hand buckets over
-through a few int64 words in host shared memory (the same `file_system` sharing as the CPU ipc buffers):
+through a few int64 words in host shared memory (a small file in /dev/shm that both processes map):
 
     ready[slot]  <- sender: the sequence number of the bucket now in `slot` (its copies are complete)
     done[slot]   <- receiver: the sequence number it finished loading from `slot` (the slot may be refilled)
@@ -16,18 +16,19 @@ through a few int64 words in host shared memory (the same `file_system` sharing 
 Sequence numbers are `sync_id * 2**20 + bucket + 1`, so a word left over from an earlier sync never matches.
 Waiting spins briefly, then sleeps in short steps: a hand-over costs microseconds, not a round trip. Stores of
 aligned int64 words are atomic on the hosts we run on, and the writer stores `sums` before `ready`, which x86
-keeps in order. This module moves no tensor data and knows nothing of engines or Ray.
+keeps in order. The file is a plain mapping, not torch's shared-memory sharing: with that, the creating process
+waited at exit until every process that mapped its tensor let go (30 s and more, seen in the benchmark). The
+receiver unlinks the file once the sender has mapped it (at its first sync, or when it closes); mappings stay valid.
+This module moves no tensor data and knows nothing of engines or Ray.
 """
 from __future__ import annotations
 
-import io
 import os
-import pickle
+import tempfile
 import time
-from multiprocessing.reduction import ForkingPickler
+import uuid
 
-import torch
-import torch.multiprocessing as tmp
+import numpy as np
 
 from rlhf_orch.errors import WeightSyncError
 
@@ -44,30 +45,36 @@ def seq_of(sync_id: int, bucket: int) -> int:
 class Mailbox:
     """One sender -> one receiver. The receiver creates it (`Mailbox.create`) and hands `handle()` to the sender."""
 
-    def __init__(self, words: torch.Tensor):
-        self.words = words          # keeps the shared storage alive
-        self.w = words.numpy()      # the same memory; numpy element access costs ~100 ns, a torch one ~2 µs
+    def __init__(self, path: str, words: np.ndarray, owner: bool):
+        self.path, self.w, self.owner = path, words, owner
 
     @classmethod
     def create(cls, n_tensors: int) -> "Mailbox":
-        tmp.set_sharing_strategy("file_system")   # a named file in /dev/shm that another process can map
-        words = torch.zeros(_SUMS + n_tensors, dtype=torch.int64).share_memory_()
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.path.join(root, f"rlhf_orch_mailbox_{os.getpid()}_{uuid.uuid4().hex[:12]}")
+        words = np.memmap(path, dtype=np.int64, mode="w+", shape=(_SUMS + n_tensors,))   # zero-filled
         words[_PID] = os.getpid()
-        return cls(words)
+        return cls(path, words, owner=True)
 
     def handle(self) -> bytes:
-        tmp.set_sharing_strategy("file_system")
-        out = io.BytesIO()
-        ForkingPickler(out, pickle.HIGHEST_PROTOCOL).dump(self.words)
-        return out.getvalue()
+        return f"{self.path}|{self.w.shape[0]}".encode()
 
     @classmethod
     def attach(cls, handle: bytes) -> "Mailbox":
         """The sender's end: maps the receiver's words and records the sender's process id."""
-        tmp.set_sharing_strategy("file_system")
-        box = cls(pickle.loads(handle))
+        path, n = bytes(handle).decode().rsplit("|", 1)
+        box = cls(path, np.memmap(path, dtype=np.int64, mode="r+", shape=(int(n),)), owner=False)
         box.w[_SPID] = os.getpid()
         return box
+
+    def unlink(self, only_if_attached: bool = False) -> None:
+        """Remove the file (the receiver's end); both mappings stay valid. `only_if_attached`: not before the
+        sender has mapped it (it records its pid when it does)."""
+        if self.owner and not (only_if_attached and not int(self.w[_SPID])):
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
     # ---- sender ---------------------------------------------------------------------------------------
     def publish(self, slot: int, seq: int, first: int, sums: list[int]) -> None:

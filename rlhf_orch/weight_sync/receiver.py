@@ -139,6 +139,8 @@ class WeightReceiver:
                 slot, seq = k % SLOTS, seq_of(sync_id, k)
                 t1 = time.perf_counter()
                 box.wait_ready(slot, seq, deadline, f"bucket {k} of sync {sync_id}")
+                if k == 0:
+                    box.unlink()   # the sender has mapped it: no file needs to outlive a crash
                 t2 = time.perf_counter()
                 got = self._load(layout, self._stream_bufs[slot], verify)
                 if self.device.type == "cuda":
@@ -166,4 +168,6 @@ class WeightReceiver:
             self.group.destroy()
             self.group = None
         self._cache.clear()
+        if self.mailbox is not None:
+            self.mailbox.unlink()
         self._stream_bufs, self.mailbox = [], None
