@@ -39,8 +39,20 @@ def prepare(argv):
     p.add_argument("--config", required=True, help="experiment YAML, e.g. configs/tiny_cpu.yaml")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. trainer.lr=1e-4 experiment.steps=10")
     args = p.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    from rlhf_orch.run_dir import job_output_override
+    # In a Ray job a relative output_dir would be Ray's temporary copy of the working dir: moved before loading
+    # (loading creates the folder). Elsewhere nothing changes.
+    extra, why = job_output_override(args.config, args.overrides, dict(os.environ), os.getcwd())
+    if why:
+        logger.info("%s", why)
+    cfg = load_config(args.config, [*args.overrides, extra] if extra else args.overrides)
     run_dir = Path(cfg.experiment.output_dir) / cfg.experiment.name
+    logger.info("outputs of this run: %s", run_dir.resolve())
+    from rlhf_orch.errors import ConfigError
+    from rlhf_orch.resources import local_fit_problem
+    problem = local_fit_problem(cfg)   # a local Ray that cannot hold the placement group; a cluster's is checked once joined
+    if problem:
+        raise ConfigError(problem)
     rows = rows_for(cfg)   # the rows config loading read and checked, with the data section's keys and chat template
     model_path = cfg.model.path
     if model_path.startswith(BUILTIN_PREFIX):
@@ -50,6 +62,8 @@ def prepare(argv):
     dataset = PromptDataset(rows, tokenizer, cfg.data.max_prompt_tokens, cfg.experiment.seed)
     from rlhf_orch.rewards.check import check_reward_function
     check_reward_function(cfg.reward, dataset.rows)   # two rows, placeholder responses: finite floats or one error line
+    from rlhf_orch.torch_ext import prepare_extensions_dir
+    prepare_extensions_dir(cfg.trainer.device)   # DeepSpeed's op builds: versioned folder, stale locks, first-build note
     return cfg, run_dir, model_path, tokenizer, dataset
 
 
@@ -191,7 +205,7 @@ def _on_sigterm(signum, frame):
 def main(argv=None) -> int:
     logging.basicConfig(level=os.environ.get("RLHF_ORCH_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rlhf_orch.errors import RLHFOrchError, RunStopped, is_actor_death
+    from rlhf_orch.errors import RLHFOrchError
     try:
         cfg, run_dir, model_path, tokenizer, dataset = prepare(argv)
         from rlhf_orch.evaluation import eval_set_for
@@ -200,6 +214,21 @@ def main(argv=None) -> int:
         for line in str(e).splitlines():
             sys.stderr.write(f"error: {line}\n")
         return 2
+    from rlhf_orch.run_dir import RunLock
+    try:   # one live run per run folder; held across in-process restarts, dropped by the kernel if we are killed
+        lock = RunLock(run_dir, cfg.experiment.name).acquire()
+    except RLHFOrchError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    try:
+        return _supervise(cfg, run_dir, model_path, tokenizer, dataset, eval_set)
+    finally:
+        lock.release()
+
+
+def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set) -> int:
+    """The run with its automatic restarts from the latest checkpoint; writes summary.json; returns the exit code."""
+    from rlhf_orch.errors import RLHFOrchError, RunStopped, is_actor_death
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     t0, restarts, faults, rc = time.time(), [], [], 0

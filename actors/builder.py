@@ -42,6 +42,12 @@ def init_ray(cfg) -> bool:
     # binds the machine's routable address). Joining a cluster (above) leaves the environment alone.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
+        # Ray reads the variable once, when `ray` is imported (ray_constants.ENABLE_RAY_CLUSTER), which was before
+        # this function: without this line the driver picks the routable IP and GCS, raylet and every worker listen
+        # on all interfaces (tests/integration/test_loopback.py). The children read the variable set above.
+        from ray._private import ray_constants
+        ray_constants.ENABLE_RAY_CLUSTER = False
     # Workers of a local Ray must import this checkout even when it is not pip-installed.
     root = str(Path(__file__).resolve().parent.parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))

@@ -13,6 +13,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from rlhf_orch.errors import ACTOR_DIED, RLHFOrchError
+from rlhf_orch.torch_ext import clear_stale_locks, extensions_dir
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,10 @@ def setup_process(device: str = "cpu") -> None:
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
+    try:   # a DeepSpeed op build killed earlier on this node must not make this actor wait on its lock forever
+        clear_stale_locks(extensions_dir())
+    except Exception as e:   # best effort: psutil missing or the folder unreadable must not stop the actor
+        logger.debug("stale build lock check skipped: %s", e)
     if device == "cpu":
         import torch
         # Several actors share few cores; one thread each avoids oversubscription stalls.
@@ -40,8 +45,7 @@ def actor_env(device: str) -> dict[str, str]:
     env = {
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                               os.path.expanduser("~/.cache/rlhf_orch/torch_extensions")),
+        "TORCH_EXTENSIONS_DIR": str(extensions_dir()),   # the user's, else one private to the DeepSpeed/torch versions
     }
     if device == "cpu":
         env["OMP_NUM_THREADS"] = "1"

@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlhf_orch.config import ExperimentConfig, engine_names
 from rlhf_orch.errors import ConfigError
 
-CPU_SLOT = 0.25   # logical CPUs per slot on CPU runs: 2 trainer ranks + 2 engines fit in one core's worth
+from rlhf_orch.resources import CPU_SLOT, bundle_resources, fit_problem   # CPU_SLOT: 0.25 logical CPUs per CPU slot
 
 
 @dataclass
@@ -69,17 +69,32 @@ def allocate(cfg: ExperimentConfig, timeout_s: float) -> Placement:
                 engine_bundles[name] = [len(gpus)]
                 gpus.append(e.tensor_parallel_size)
     cuda = cfg.trainer.device == "cuda"
-    bundles = [{"GPU": float(g), "CPU": 1.0} if cuda else {"CPU": CPU_SLOT} for g in gpus]
+    bundles = bundle_resources(cfg)   # the same slots as above, in the same order
+    problem = cluster_fit_problem(cfg)
+    if problem:   # at once: a placement group that can never fit would only time out after timeout_s
+        raise ConfigError(problem)
     pg = placement_group(bundles, strategy="PACK", name=f"{cfg.experiment.name}-pg")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
         need = sum(gpus) if cuda else len(gpus) * CPU_SLOT
         key = "GPU" if cfg.trainer.device == "cuda" else "CPU"
-        raise ConfigError(f"placement: the run needs {need:g} {key}s ({n} trainer ranks + dedicated engines) "
-                          f"but the cluster offers {ray.cluster_resources().get(key, 0):g}; "
-                          "lower trainer.num_ranks or the engines' count, or add nodes")
+        raise ConfigError(f"placement: the run needs {need:g} {key}s ({n} trainer ranks + dedicated engines); the "
+                          f"cluster has {ray.cluster_resources().get(key, 0):g} but only "
+                          f"{ray.available_resources().get(key, 0):g} were free within {timeout_s:.0f}s (other jobs or "
+                          "a run left running hold the rest); stop them, or lower trainer.num_ranks or the engines' count")
     sharing: dict[int, int] = {}
     for b in trainer_bundles + [b for bs in engine_bundles.values() for b in bs]:
         sharing[b] = sharing.get(b, 0) + 1
     return Placement(pg, cfg.trainer.device, trainer_bundles, engine_bundles, sharing, dict(enumerate(gpus)))
+
+
+def cluster_fit_problem(cfg: ExperimentConfig) -> str | None:
+    """Whether the Ray this driver is connected to (local or a cluster) has the CPUs and GPUs the run's bundles
+    need in total, and a node wide enough for its widest bundle. Resources other jobs hold are not counted against
+    it: those free up, so allocate() waits for them."""
+    total = ray.cluster_resources()
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    widest = max((r.get("GPU", 0.0) for r in nodes), default=0.0)
+    where = f"the Ray cluster ({len(nodes)} node{'s' * (len(nodes) != 1)}: {total.get('CPU', 0):g} CPUs, {total.get('GPU', 0):g} GPUs)"
+    return fit_problem(cfg, total.get("CPU", 0.0), total.get("GPU", 0.0), where, widest if nodes else None)

@@ -50,6 +50,7 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
             p.append(f"algorithm.use_kl_in_reward: {algo.name} turns one reward per sample into advantages, so a per-token "
                      "KL penalty has nowhere to go; use algorithm.kl_coef (KL in the loss), or algorithm.name: ppo / "
                      "reinforce_pp_gamma")
+        p.extend(algorithm_option_problems(cfg, algo))
         if algo.needs_critic and cfg.trainer.offload:
             p.append(f"trainer.offload: {algo.name}'s critic does not offload yet, so it cannot hand its GPU to colocated "
                      "engines; set trainer.offload: false (and sleep_level: 0) or use a critic-free algorithm")
@@ -86,6 +87,7 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
         if e.sleep_level and e.kind == "vllm" and not e.enable_sleep_mode:
             p.append(f"engines.{i}.sleep_level: vLLM sleeps only with enable_sleep_mode: true; set it or sleep_level: 0")
     p.extend(rollout_problems(cfg))
+    p.extend(ray_problems(cfg))
     if cfg.trainer.offload and cfg.trainer.zero_stage == 0:
         how = "auto may offload, and offloading" if cfg.trainer.offload == "auto" else "offloading"
         p.append(f"trainer.offload: {how} moves ZeRO's optimizer partitions; set trainer.zero_stage to 1, 2 or 3")
@@ -94,6 +96,47 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
     p.extend(packing_problems(cfg))
     p.extend(data_problems(cfg))
     p.extend(eval_problems(cfg))
+    return p
+
+
+def ray_problems(cfg: ExperimentConfig) -> list[str]:
+    """ray-section rules (whether the placement fits the machine or cluster is checked by rlhf_orch.resources)."""
+    import os
+    r, p = cfg.ray, []
+    if r.num_cpus is not None and r.address:
+        p.append("ray.num_cpus: sizes a local Ray only and ray.address joins a cluster, which has its own CPUs; remove it")
+    elif r.num_cpus is not None and r.num_cpus < 1:
+        p.append(f"ray.num_cpus: {r.num_cpus:g} is below 1; a local Ray needs at least one whole CPU (the run's actors "
+                 f"share it in slots of a quarter CPU); set ray.num_cpus >= 1, or remove it to use this machine's "
+                 f"{os.cpu_count()}")
+    return p
+
+
+# algorithm.<field> -> (what reads it, whether it applies): a field set explicitly where it does nothing is an error,
+# because the user believes it changes the run.
+def algorithm_option_problems(cfg: ExperimentConfig, algo) -> list[str]:
+    a, p = cfg.algorithm, []
+    given = a.model_fields_set
+    rules = (
+        ("norm_adv_by_std", "grpo's group normalisation", a.name == "grpo", "algorithm.name: grpo"),
+        ("gamma", "the discount of ppo and reinforce_pp_gamma", a.name in ("ppo", "reinforce_pp_gamma"),
+         "algorithm.name: ppo or reinforce_pp_gamma"),
+        ("lam", "ppo's GAE", algo.needs_critic, "algorithm.name: ppo"),
+        ("kl_ctrl", "the KL-in-reward weight", a.use_kl_in_reward, "algorithm.use_kl_in_reward: true"),
+        ("tis_cap", "off_policy tis", a.off_policy == "tis", "algorithm.off_policy: tis"),
+        ("mis_low", "off_policy mis", a.off_policy == "mis", "algorithm.off_policy: mis"),
+        ("mis_high", "off_policy mis", a.off_policy == "mis", "algorithm.off_policy: mis"),
+        ("decoupled_cap", "off_policy decoupled", a.off_policy == "decoupled", "algorithm.off_policy: decoupled"),
+        ("loss_norm_len", "loss_agg_mode seq-mean-token-sum-norm", a.loss_agg_mode == "seq-mean-token-sum-norm",
+         "algorithm.loss_agg_mode: seq-mean-token-sum-norm"),
+    )
+    for name, reader, applies, needs in rules:
+        if name in given and not applies:
+            p.append(f"algorithm.{name}: applies to {reader} only and this run does not use it; remove it or set {needs}")
+    if cfg.critic.model_fields_set and not algo.needs_critic:
+        fields = ", ".join(sorted(cfg.critic.model_fields_set))
+        p.append(f"critic.{sorted(cfg.critic.model_fields_set)[0]}: the critic section ({fields}) applies to critic-based "
+                 f"algorithms (ppo) and {a.name} has no critic; remove it or set algorithm.name: ppo")
     return p
 
 

@@ -118,7 +118,9 @@ def _answer_needed_by(cfg) -> str | None:
     if "answer_key" in cfg.data.model_fields_set:
         return "data.answer_key is set"
     if cfg.trainer.warm_start_steps:
-        return "trainer.warm_start_steps trains on rows' answers"
+        # Even the format-only warm start needs answers: it pairs each prompt with another row's answer.
+        return ("trainer.warm_start_steps trains on rows' answers, even on the format only (warm_start_real_answers: "
+                "false pairs each prompt with another row's answer); or set trainer.warm_start_steps: 0")
     if (cfg.reward.function or "").startswith(ANSWER_REWARDS):
         return f"reward.function {cfg.reward.function} reads row['answer']"
     return None
