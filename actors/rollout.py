@@ -86,7 +86,7 @@ class RolloutActor:
     def streams(self) -> bool:
         """Whether this engine's receiver verifies what it loads itself and can take a sync in one call
         (`sync_weights`): ours (hf here, vLLM in its workers) can; SGLang loads through its own API, bucket by bucket."""
-        return not hasattr(self.engine, "setup_receiver") or bool(getattr(self.engine, "streams", False))
+        return bool(getattr(self.engine, "streams", not hasattr(self.engine, "setup_receiver")))
 
     def connect_stream(self, buffer_handles, timeout_s: float) -> bytes:
         """Open the colocated trainer rank's ring buffers once; returns the mailbox handle for that rank."""

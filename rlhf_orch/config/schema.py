@@ -284,6 +284,8 @@ class HFEngineConfig(_EngineBase):
     max_batch_size: int = Field(256, ge=1, description="Sequences per generate call.")
     decode_delay_s: float = Field(0.0, ge=0, description="Test hook: sleep this long before each decode step "
                                   "(a slow engine, to exercise overlap, partial rollouts and deadlines on CPU).")
+    stepwise_sync: bool = Field(False, description="Test hook: take every weight sync bucket by bucket through the "
+                                "coordinator (the path SGLang engines use) instead of in one call.")
 
 
 class VLLMEngineConfig(_EngineBase):

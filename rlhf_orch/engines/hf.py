@@ -40,13 +40,15 @@ class HFEngine(EngineLifecycle):
     supports_partial_rollouts = True
     reports_decode_steps = True
     def __init__(self, name: str, model_path: str, device: str = "cpu", dtype: str = "float32",
-                 device_id: str = "", max_batch_size: int = 256, seed: int = 0, decode_delay_s: float = 0.0):
+                 device_id: str = "", max_batch_size: int = 256, seed: int = 0, decode_delay_s: float = 0.0,
+                 stepwise_sync: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.name = name
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
         self.max_batch_size = max_batch_size
         self.decode_delay_s = decode_delay_s   # test hook: a slow engine
+        self.streams = not stepwise_sync       # test hook: the coordinator's bucket-by-bucket path (actors/rollout.py)
         self.weight_version = -1        # nothing synced yet: the first sync makes it 0
         self._device_id = device_id
         self._init_lifecycle()
