@@ -53,17 +53,34 @@ def _kill_session(temp_dir: str) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
-def test_ray_job_stop_leaves_summary_plots_and_checkpoint_outside_working_dir(tmp_path, monkeypatch):
+def _ray_job(env: dict, address: str, *args: str, check: bool = True) -> str:
+    """One `ray job ...` command, as a user types it. The CLI, not JobSubmissionClient in this process: Ray caches
+    the auth token (and whether auth is on) per process, and this pytest process runs Ray without auth elsewhere."""
+    r = subprocess.run(["ray", "job", args[0], f"--address={address}", *args[1:]], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert not check or r.returncode == 0, f"ray job {args[0]}: rc={r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r.stdout + r.stderr
+
+
+def _status(env: dict, address: str, job: str) -> str:
+    out = _ray_job(env, address, "status", job, check=False)   # the CLI's own words for each state
+    for status, words in (("STOPPED", "was stopped"), ("SUCCEEDED", "succeeded"), ("FAILED", "failed"),
+                          ("PENDING", ": PENDING"), ("RUNNING", ": RUNNING")):
+        if f"Job '{job}' {words}" in out or f"Status for job '{job}'{words}" in out:
+            return status
+    raise AssertionError(f"no status in:\n{out}")
+
+
+def test_ray_job_stop_leaves_summary_plots_and_checkpoint_outside_working_dir(tmp_path):
     import secrets
-    # `ray start` turns token authentication on by default: a fresh token for this head, known to head and client.
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
-    from ray.job_submission import JobStatus, JobSubmissionClient
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")   # short: Ray's unix socket paths live under it
     out_root = tmp_path / "out"
     gcs, dash, agent_http, agent_grpc, metrics, client, nm, om, renv = _free_ports(9)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo", TOKENIZERS_PARALLELISM="false")
+    # `ray start` turns token authentication on by default: a fresh token for this head, known to head and CLI.
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo", TOKENIZERS_PARALLELISM="false",
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
     head = subprocess.Popen(
         ["ray", "start", "--head", "--block", f"--temp-dir={temp_dir}", "--node-ip-address=127.0.0.1",
          f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
@@ -74,35 +91,35 @@ def test_ray_job_stop_leaves_summary_plots_and_checkpoint_outside_working_dir(tm
     try:
         address = f"http://127.0.0.1:{dash}"
         deadline = time.time() + 90
-        while True:
+        while subprocess.run(["ray", "job", "list", f"--address={address}"], env=env, capture_output=True,
+                             timeout=120).returncode != 0:
             assert head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
-            try:
-                jobs = JobSubmissionClient(address)
-                break
-            except Exception:
-                assert time.time() < deadline, (tmp_path / "head.log").read_text()[-3000:]
-                time.sleep(1)
-        job = jobs.submit_job(
-            entrypoint=" ".join(["python", "launch.py", "--config", "configs/tiny_cpu.yaml", *ARGS]),
-            runtime_env={"working_dir": str(ROOT), "excludes": [".git", ".stage", ".whl", "runs", "build"],
-                         "env_vars": {"RLHF_ORCH_OUTPUT_DIR": str(out_root), "RAY_JOB_STOP_WAIT_TIME_S": "60",
-                                      "PYTHONUNBUFFERED": "1"}})
+            assert time.time() < deadline, (tmp_path / "head.log").read_text()[-3000:]
+            time.sleep(1)
+        job = "jobstop-" + secrets.token_hex(4)
+        runtime_env = {"excludes": [".git", ".stage", ".whl", "runs", "build"],
+                       "env_vars": {"RLHF_ORCH_OUTPUT_DIR": str(out_root), "RAY_JOB_STOP_WAIT_TIME_S": "60",
+                                    "PYTHONUNBUFFERED": "1"}}
+        _ray_job(env, address, "submit", "--no-wait", f"--submission-id={job}", f"--working-dir={ROOT}",
+                 f"--runtime-env-json={json.dumps(runtime_env)}", "--",
+                 "python", "launch.py", "--config", "configs/tiny_cpu.yaml", *ARGS)
+        logs = lambda: _ray_job(env, address, "logs", job, check=False)[-3000:]  # noqa: E731
         run = out_root / "runs" / "jobstop"
         metrics_file = run / "metrics.jsonl"
         deadline = time.time() + 300
         while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 5):
-            status = jobs.get_job_status(job)
-            assert status in (JobStatus.PENDING, JobStatus.RUNNING), f"{status}:\n{jobs.get_job_logs(job)[-3000:]}"
-            assert time.time() < deadline, f"no metrics under {run}:\n{jobs.get_job_logs(job)[-3000:]}"
-            time.sleep(0.5)
-        assert jobs.stop_job(job)
+            status = _status(env, address, job)
+            assert status in ("PENDING", "RUNNING"), f"{status}:\n{logs()}"
+            assert time.time() < deadline, f"no metrics under {run}:\n{logs()}"
+            time.sleep(1)
+        _ray_job(env, address, "stop", "--no-wait", job)
         deadline = time.time() + 120
-        while jobs.get_job_status(job) not in (JobStatus.STOPPED, JobStatus.FAILED, JobStatus.SUCCEEDED):
-            assert time.time() < deadline, jobs.get_job_logs(job)[-3000:]
-            time.sleep(0.5)
-        logs = jobs.get_job_logs(job)
-        assert jobs.get_job_status(job) == JobStatus.STOPPED, logs[-3000:]
-        assert f"outputs of this run: {run}" in logs and "Ray job" in logs, logs[-3000:]
+        while (status := _status(env, address, job)) not in ("STOPPED", "FAILED", "SUCCEEDED"):
+            assert time.time() < deadline, logs()
+            time.sleep(1)
+        text = _ray_job(env, address, "logs", job)
+        assert status == "STOPPED", text[-3000:]
+        assert f"outputs of this run: {run}" in text and "Ray job" in text, text[-3000:]
         summary = json.loads((run / "summary.json").read_text())
         assert summary["status"] == "stopped" and "SIGTERM" in summary["error"], summary
         steps = [json.loads(l)["step"] for l in metrics_file.read_text().splitlines()]
