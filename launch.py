@@ -195,10 +195,19 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
             summary["eval"] = last_eval(records)       # the last evaluation: its step and eval/ metrics
 
 
+_STOPPING: list[int] = []   # signals received: only the first one stops the run
+
+
 def _on_sigterm(signum, frame):
     # `ray job stop` and a cluster's preemption send SIGTERM: stop where we are; run()'s finally saves the last
-    # completed step's checkpoint, the plots and the timeline, and main() writes summary.json.
+    # completed step's checkpoint, the plots and the timeline, and main() writes summary.json. A later SIGTERM
+    # must not cut that short (an exception raised inside the clean-up would skip summary.json): the sender's
+    # SIGKILL after its grace period is the hard stop.
     from rlhf_orch.errors import RunStopped
+    _STOPPING.append(signum)
+    if len(_STOPPING) > 1:
+        logger.warning("signal %s again: still saving the stopped run", signal.Signals(signum).name)
+        return
     raise RunStopped(f"stopped by signal {signal.Signals(signum).name}")
 
 
@@ -231,6 +240,7 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
     from rlhf_orch.errors import RLHFOrchError, RunStopped, is_actor_death
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
+    _STOPPING.clear()   # a fresh run in this process (tests call main() more than once)
     t0, restarts, faults, rc = time.time(), [], [], 0
     while True:
         summary: dict = {}
