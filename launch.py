@@ -61,7 +61,8 @@ def prepare(argv):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dataset = PromptDataset(rows, tokenizer, cfg.data.max_prompt_tokens, cfg.experiment.seed)
     from rlhf_orch.rewards.check import check_reward_function
-    check_reward_function(cfg.reward, dataset.rows)   # two rows, placeholder responses: finite floats or one error line
+    check_reward_function(cfg.reward, dataset.rows,   # two rows, placeholder responses: finite floats or one error line
+                          lambda text: tokenizer(text, add_special_tokens=False).input_ids)
     from rlhf_orch.torch_ext import prepare_extensions_dir
     prepare_extensions_dir(cfg.trainer.device)   # DeepSpeed's op builds: versioned folder, stale locks, first-build note
     return cfg, run_dir, model_path, tokenizer, dataset

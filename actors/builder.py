@@ -170,7 +170,7 @@ class Cluster(EngineRecovery):
         settings = dict(prompts_per_step=cfg.data.prompts_per_step, group_size=a.group_size, max_staleness=r.max_staleness,
                         dispatch_groups=r.dispatch_groups, filter_groups=r.filter_groups, filter_max_draws=r.filter_max_draws,
                         algorithm=a.model_dump(), pad_id=pad_id, num_ranks=cfg.trainer.num_ranks,
-                        balance_tokens=bool(cfg.trainer.max_tokens_per_micro_batch),
+                        balance_tokens=bool(cfg.trainer.max_tokens_per_micro_batch), dense_reward=cfg.reward.dense,
                         engine_stall_s=cfg.fault_tolerance.engine_stall_s,
                         health_interval_s=cfg.fault_tolerance.health_interval_s)
         params = {n: sampling_params(self.sampling[n], a.group_size) for n in self.engines}

@@ -19,6 +19,7 @@ import time
 from actors.common import get
 from rlhf_orch.errors import EngineError, RewardError
 from rlhf_orch.evaluation import EvalSet, aggregate, shard
+from rlhf_orch.rewards import with_response_ids
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,11 @@ def _generate(cluster, es: EvalSet, step: int) -> list[list]:
 
 def _score(cluster, es: EvalSet, samples: list[list]) -> list[float]:
     """Rewards of every sample (prompt order, then sample order), split over the reward workers."""
-    items = [(s.text, es.prompts[i].row) for i, group in enumerate(samples) for s in group]
+    if cluster.cfg.reward.dense:   # scored by the per-token values' sum, as in training
+        items = [(s.text, with_response_ids(es.prompts[i].row, s.response_ids)) for i, group in enumerate(samples)
+                 for s in group]
+    else:
+        items = [(s.text, es.prompts[i].row) for i, group in enumerate(samples) for s in group]
     parts = shard(len(items), len(cluster.rewarders))
     out = get([w.score_parts.remote(items[a:b]) for w, (a, b) in zip(cluster.rewarders, parts)], cluster.timeout,
               "evaluation rewards", RewardError)

@@ -21,7 +21,7 @@ from actors.common import setup_process
 class RewardActor:
     def __init__(self, function: str | None, model_path: str | None = None, function_weight: float = 1.0,
                  model_weight: float = 1.0, device: str = "cpu", batch_size: int = 16, dtype: str = "float32",
-                 batch: bool = False, timeout_s: float | None = None):
+                 batch: bool = False, timeout_s: float | None = None, dense: bool = False):
         setup_process(device if model_path else "cpu")
         from rlhf_orch.rewards.scorer import RewardScorer
 
@@ -29,7 +29,7 @@ class RewardActor:
         if model_path:
             from rlhf_orch.rewards.model import RewardModel
             model = RewardModel(model_path, device=device, dtype=dtype, batch_size=batch_size)
-        self.scorer = RewardScorer(function, model, function_weight, model_weight, batch, timeout_s)
+        self.scorer = RewardScorer(function, model, function_weight, model_weight, batch, timeout_s, dense)
         self.path = self.scorer.path
 
     def health(self) -> dict:
@@ -40,8 +40,9 @@ class RewardActor:
     def score(self, items: list[tuple[str, dict]]) -> list[float]:
         return self.scorer.score(items)
 
-    def score_parts(self, items: list[tuple[str, dict]]) -> dict[str, list[float]]:
-        """The rewards and each source's values ("function", "model"), for per-source metrics."""
+    def score_parts(self, items: list[tuple[str, dict]]) -> dict[str, list]:
+        """The rewards, each source's values ("function", "model") for per-source metrics, and a dense function's
+        "token_rewards"."""
         return self.scorer.score_parts(items)
 
 
@@ -63,5 +64,5 @@ def start_reward_workers(cfg, name: str, env: dict) -> list:
     resources = {"num_gpus": 1} if model_path and r.device == "cuda" else {}
     return [RewardActor.options(name=f"{name}-reward-{i}", runtime_env={"env_vars": env}, **resources).remote(
                 r.function, model_path, r.function_weight, r.model_weight, r.device, r.batch_size, r.dtype,
-                r.batch, r.timeout_s)
+                r.batch, r.timeout_s, r.dense)
             for i in range(r.num_workers)]

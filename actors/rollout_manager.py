@@ -31,6 +31,7 @@ from actors.common import setup_process
 from rlhf_orch.algorithms.base import make_algorithm
 from rlhf_orch.errors import ACTOR_DIED, EngineError, RewardError, RLHFOrchError, RolloutError
 from rlhf_orch.metrics.timeline import Timeline
+from rlhf_orch.rewards import with_response_ids
 from rlhf_orch.rollout import GroupScheduler
 from rlhf_orch.rollout.batching import assemble
 from rlhf_orch.rollout.health import HealthTracker, call_deadline_s
@@ -219,7 +220,10 @@ class RolloutManager:
 
     async def _score(self, groups) -> None:
         i = min(range(len(self.rewarders)), key=lambda j: self._reward_load[j])
-        items = [(smp.text, g.prompt.row) for g in groups for smp in g.samples]
+        if self.s.get("dense_reward"):   # a dense function finds the token ids in its row (a copy per sample)
+            items = [(smp.text, with_response_ids(g.prompt.row, smp.response_ids)) for g in groups for smp in g.samples]
+        else:
+            items = [(smp.text, g.prompt.row) for g in groups for smp in g.samples]
         self._reward_load[i] += len(items)
         t0 = time.time()
         try:
@@ -240,7 +244,9 @@ class RolloutManager:
         at, refill = 0, False
         for g in groups:
             n = len(g.samples)
-            g.reward_parts = {k: v[at:at + n] for k, v in parts.items() if k != "rewards"}
+            g.reward_parts = {k: v[at:at + n] for k, v in parts.items() if k not in ("rewards", "token_rewards")}
+            if "token_rewards" in parts:
+                g.token_rewards = parts["token_rewards"][at:at + n]
             refill |= not self.sched.on_scored(g, parts["rewards"][at:at + n], now)
             at += n
         if refill:

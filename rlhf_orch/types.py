@@ -75,7 +75,7 @@ class TrainBatch:
     engine_logprobs: torch.Tensor      # [B, T] float, rollout engine's logprobs (0 off-response)
     old_logprobs: torch.Tensor | None = None   # [B, T], trainer's logprobs before the update
     ref_logprobs: torch.Tensor | None = None   # [B, T], frozen reference model's logprobs
-    rewards: torch.Tensor | None = None        # [B], the outcome reward of each sample (critic-based algorithms)
+    rewards: torch.Tensor | None = None        # [B] outcome rewards (token-level algorithms), [B, T] from a dense reward
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

@@ -1,6 +1,7 @@
 """PPO with a learned critic: GAE advantages per token, whitened over the step's batch; value clipping.
 
-Token rewards: each sample's outcome reward sits on its last response token (0 elsewhere). The critic's
+Token rewards: each sample's outcome reward sits on its last response token (0 elsewhere); a dense reward
+function (rlhf_orch.rewards.dense) gives every response token its own value instead. The critic's
 value V_t at response position t is its estimate before token t is generated (from the hidden state of
 position t-1, the position that also predicts token t's logprob). GAE (verl's compute_gae_advantage_return):
 

@@ -36,7 +36,13 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     except ValidationError as e:
         raise ConfigError(problems + format_validation_error(e, raw)) from None
     try:
-        load_reward_fn(cfg.reward.function)
+        fn = load_reward_fn(cfg.reward.function)
+        from rlhf_orch.rewards import NO_FUNCTION, is_dense
+        if is_dense(fn):
+            cfg.reward.dense = True      # decorated: every part of the run (manager, workers, checks) reads the field
+        if cfg.reward.dense and cfg.reward.function == NO_FUNCTION:
+            problems.append("reward.dense: true needs a reward.function that returns one value per response token "
+                            "(a reward model scores whole responses); set reward.function or drop reward.dense")
     except RewardError as e:
         problems.append(f"reward.function: {e}")
     from rlhf_orch.data import dataset_problems   # reads, renders and checks data.source's rows (and keeps them)

@@ -116,6 +116,9 @@ class RewardSection(_Section):
     batch: bool = Field(False, description="The function scores a whole chunk at once: fn(responses: list[str], rows: "
                         "list[dict]) -> list[float]. Same as decorating it with rlhf_orch.rewards.batched; for a "
                         "function you cannot edit. An `async def` function (either form) is detected by itself.")
+    dense: bool = Field(False, description="The function returns one value per response token (it finds the token "
+                        "ids in row['response_ids']): ppo and reinforce_pp_gamma use each token's value, grpo/rloo/"
+                        "reinforce_pp their sum. Same as decorating it with rlhf_orch.rewards.dense.")
     # None by default: a limit would be a new way for an existing run to fail (a code-execution or LLM-judge reward
     # may legitimately take minutes), and an unbounded sync call runs in the caller's thread exactly as before.
     timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False, description="Seconds each call of the function "

@@ -9,6 +9,11 @@ edit). Either form may be `async def` (per-sample coroutines of a chunk run conc
 forms, bounded by `reward.timeout_s`; check.py calls the function on two dataset rows before launch. math.py has
 GSM8K and MATH answer rewards (math-verify, the `math` extra).
 
+A dense function (the `dense` decorator, or `reward.dense: true`) returns one value per response token instead of
+one per response: its row carries the response's token ids as row["response_ids"], and it returns a list of that
+length. Token-level algorithms (ppo, reinforce_pp_gamma) use each token's value; outcome algorithms (grpo, rloo,
+reinforce_pp) use their sum, as verl's outcome estimators sum its token-level rewards.
+
 Importing this package imports neither torch nor transformers (the config loader imports it)."""
 
 # `reward.function: null` (or "") is stored as this path, so the config always names an importable function;
@@ -36,4 +41,26 @@ def is_batched(fn) -> bool:
     return bool(getattr(fn, BATCHED_ATTR, False))
 
 
-__all__ = ["BATCHED_ATTR", "NO_FUNCTION", "batched", "is_batched", "no_function"]
+# The attribute `dense` sets; the config loader reads it (reward.dense), so the rollout manager adds token ids.
+DENSE_ATTR = "rlhf_orch_dense"
+
+
+def dense(fn):
+    """Declare `fn` a dense reward: one finite float per response token, in order. Its row carries the response's
+    token ids as row["response_ids"]; it returns a list of len(row["response_ids"]) floats (a batch function: one
+    such list per response). Returns fn itself with an attribute set. Combines with `batched`."""
+    setattr(fn, DENSE_ATTR, True)
+    return fn
+
+
+def is_dense(fn) -> bool:
+    return bool(getattr(fn, DENSE_ATTR, False))
+
+
+def with_response_ids(row: dict, response_ids) -> dict:
+    """The row a dense function sees: a shallow copy with the response's token ids (the dataset's row is untouched)."""
+    return {**row, "response_ids": list(response_ids)}
+
+
+__all__ = ["BATCHED_ATTR", "DENSE_ATTR", "NO_FUNCTION", "batched", "dense", "is_batched", "is_dense", "no_function",
+           "with_response_ids"]

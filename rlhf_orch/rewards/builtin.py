@@ -1,9 +1,12 @@
 """Rule-based rewards for the synthetic tasks: fn(response: str, row: dict) -> float.
 
 `row` is the dataset row the prompt came from (it carries "answer"). These functions are pure and
-cheap; they do not see token ids or logprobs.
+cheap; they do not see logprobs. `exact_match_token_cost` is dense (one value per response token, from
+row["response_ids"]): an example of per-token reward shaping.
 """
 from __future__ import annotations
+
+from rlhf_orch.rewards import dense
 
 
 def exact_match(response: str, row: dict) -> float:
@@ -25,3 +28,13 @@ def char_accuracy(response: str, row: dict) -> float:
     ans = str(row["answer"])
     hits = sum(a == b for a, b in zip(response, ans))
     return hits / max(1, len(ans)) - 0.2 * max(0, len(response) - len(ans))
+
+
+@dense
+def exact_match_token_cost(response: str, row: dict, cost: float = 0.01) -> list[float]:
+    """Dense: -cost on every response token, and exact_match on the last one (its sum: exact_match - cost * tokens).
+    PPO's critic then sees the cost as each token comes, not as one number at the end."""
+    out = [-cost] * len(row["response_ids"])
+    if out:
+        out[-1] += exact_match(response, row)
+    return out

@@ -19,7 +19,8 @@ blocks the loop with sync code cannot be cancelled, so the wait for the whole ch
 A per-sample sync function with no timeout is called exactly as before this module existed: in the caller's
 thread, one sample after another, so rewards are bit for bit those of earlier versions.
 
-A value must be a finite int or float (not a bool). An exception, any other value, a batch result of the wrong
+A value must be a finite int or float (not a bool); a dense function's value (`dense=True`, or the
+rlhf_orch.rewards.dense decorator) is a list of them, one per response token: len(row["response_ids"]). An exception, any other value, a batch result of the wrong
 length, or a timeout is a RewardError naming the function, the prompt and what it returned. No Ray, no torch.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ import math
 import threading
 
 from rlhf_orch.errors import RewardError
-from rlhf_orch.rewards import is_batched
+from rlhf_orch.rewards import is_batched, is_dense
 
 _TIMED_OUT = object()   # what a per-call wait returns when the call did not finish in time
 
@@ -75,19 +76,21 @@ def in_thread(call, timeout_s: float, name: str):
 
 
 class RewardFunction:
-    """The configured reward function, callable on a chunk: `fn_call(items)` -> one float per (response, row)."""
+    """The configured reward function, callable on a chunk: `fn_call(items)` -> one float per (response, row), or
+    (dense) one list of floats per (response, row), as long as the row's "response_ids"."""
 
-    def __init__(self, fn, path: str, batch: bool = False, timeout_s: float | None = None):
+    def __init__(self, fn, path: str, batch: bool = False, timeout_s: float | None = None, dense: bool = False):
         self.fn, self.path, self.timeout_s = fn, path, timeout_s
         self.batch = bool(batch) or is_batched(fn)
+        self.dense = bool(dense) or is_dense(fn)
         self.is_async = is_async(fn)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def form(self) -> str:
-        return f"{'batch' if self.batch else 'per-sample'} {'async' if self.is_async else 'sync'}"
+        return f"{'dense ' if self.dense else ''}{'batch' if self.batch else 'per-sample'} {'async' if self.is_async else 'sync'}"
 
-    def __call__(self, items: list[tuple[str, dict]]) -> list[float]:
+    def __call__(self, items: list[tuple[str, dict]]) -> list:
         if self.batch:
             return self._batch(items)
         if self.is_async:
@@ -167,12 +170,14 @@ class RewardFunction:
             raise self._timed_out(where, thread_note=not self.is_async)
         if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):
             out = out.tolist()   # a numpy array or a torch tensor of scores
+        each = "list of finite floats (one per response token)" if self.dense else "finite float"
+        values = "lists of finite floats (one per response token)" if self.dense else "finite floats"
         if not isinstance(out, (list, tuple)):
             raise RewardError(f"reward.function {self.path} (a batch function) returned {short(out)} {where}; it must "
-                              f"return a list of {len(items)} finite floats, one per response, in order")
+                              f"return a list of {len(items)} {values}, one per response, in order")
         if len(out) != len(items):
             raise RewardError(f"reward.function {self.path} (a batch function) returned {len(out)} values {where}; it "
-                              f"must return one finite float per response ({len(items)}), in order")
+                              f"must return one {each} per response ({len(items)}), in order")
         return [self._checked(v, row) for v, row in zip(out, rows)]
 
     # ---- the event loop -----------------------------------------------------------------------------------------
@@ -211,11 +216,32 @@ class RewardFunction:
             self._loop = None
 
     # ---- messages -----------------------------------------------------------------------------------------------
-    def _checked(self, value, row: dict) -> float:
+    def _checked(self, value, row: dict):
+        if self.dense:
+            return self._checked_dense(value, row)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise RewardError(f"reward.function {self.path} returned {short(value)} for prompt {row.get('prompt')!r}; "
                               "it must return a finite float")
         return float(value)
+
+    def _checked_dense(self, value, row: dict) -> list[float]:
+        n = len(row["response_ids"])   # the rollout manager (and the pre-launch check) add them: with_response_ids
+        if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+            value = value.tolist()     # a numpy array or a torch tensor
+        fix = (f"a dense function returns one finite float per response token: a list of len(row['response_ids']) "
+               f"= {n} values")
+        if not isinstance(value, (list, tuple)):
+            raise RewardError(f"reward.function {self.path} returned {short(value)} for prompt {row.get('prompt')!r}; "
+                              f"{fix} (a plain per-response reward: drop reward.dense / the dense decorator)")
+        if len(value) != n:
+            raise RewardError(f"reward.function {self.path} returned {len(value)} values for prompt "
+                              f"{row.get('prompt')!r}; {fix}")
+        bad = next((i for i, v in enumerate(value)
+                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)), None)
+        if bad is not None:
+            raise RewardError(f"reward.function {self.path} returned {short(value[bad])} for response token {bad} of "
+                              f"prompt {row.get('prompt')!r}; {fix}")
+        return [float(v) for v in value]
 
     def _raised(self, e: BaseException, where: str) -> RewardError:
         return RewardError(f"reward.function {self.path} raised {type(e).__name__}: {e} {where}")

@@ -3,7 +3,8 @@
 `check_reward_function(reward, rows)` calls `reward.function` (through calls.py, so in its configured form: per
 sample or batched, sync or async, bounded by `reward.timeout_s`) on the first two dataset rows with two
 placeholder responses: "" (an engine may stop at once) and a short sentence. Every value must be a finite float
-(a batch function: a list of two). An exception, None, a string, nan, a list of the wrong length or a timeout
+(a batch function: a list of two); a dense function's rows carry the placeholders' token ids (`tokenize`) and it
+must return one finite float per token. An exception, None, a string, nan, a list of the wrong length or a timeout
 raises a one-line RewardError naming the function, the prompt and what it returned; launch.main() prints it as
 one `error:` line, before Ray starts.
 
@@ -19,24 +20,29 @@ import copy
 import random
 
 from rlhf_orch.errors import RewardError
-from rlhf_orch.rewards import NO_FUNCTION
+from rlhf_orch.rewards import NO_FUNCTION, with_response_ids
 from rlhf_orch.rewards.calls import RewardFunction
 
 DUMMY_RESPONSES = ("", "The answer is 42.")
 
 
-def check_reward_function(reward, rows: list[dict]) -> None:
+def check_reward_function(reward, rows: list[dict], tokenize=None) -> None:
     """Raise RewardError (one line) unless `reward.function` gives finite floats on two of `rows`.
 
-    `reward` is the config's reward section (anything with .function, .batch and .timeout_s)."""
+    `reward` is the config's reward section (anything with .function, .batch, .timeout_s and .dense); `tokenize`
+    (str -> token ids; the model's tokenizer) gives a dense function its placeholder responses' ids."""
     path = reward.function
     if not path or path == NO_FUNCTION or not rows:
         return
     from rlhf_orch.config import load_reward_fn
 
-    call = RewardFunction(load_reward_fn(path), path, reward.batch, reward.timeout_s)
+    dense = bool(getattr(reward, "dense", False))
+    call = RewardFunction(load_reward_fn(path), path, reward.batch, reward.timeout_s, dense)
     picked = [rows[i % len(rows)] for i in range(len(DUMMY_RESPONSES))]   # one row twice if there is only one
     items = [(response, copy.deepcopy(row)) for response, row in zip(DUMMY_RESPONSES, picked)]
+    if call.dense:
+        tokenize = tokenize or (lambda text: list(range(len(text.split()))))   # one id per word, without a tokenizer
+        items = [(response, with_response_ids(row, tokenize(response))) for response, row in items]
     state = _rng_state()
     try:
         call(items)

@@ -5,7 +5,9 @@ Groups are laid out in the order given (the scheduler gives draw order), each gr
 order, and the group id of a sample is its group's position in the batch: with max_staleness 0 this is
 exactly the tensor the synchronous loop built. It checks the staleness bound on every token once more,
 because a wrong batch must never reach the trainer. With `balance_tokens` (set with a token budget) the
-shards are balanced by token count rather than contiguous (trainer.batch.shard_balanced). No Ray, no model.
+shards are balanced by token count rather than contiguous (trainer.batch.shard_balanced). With a dense reward
+the batch's rewards are [B, T] (each response token's value at its position); advantages of outcome algorithms
+come from the per-sample sums. No Ray, no model.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def assemble(groups: list[Group], trained_version: int, max_staleness: int, algo
     prompts: list[Prompt] = []
     samples: list[Sample] = []
     rewards: list[float] = []
+    per_token: list[list[float]] = []
     for i, g in enumerate(groups):
         p = g.prompt
         prompts.append(Prompt(index=i, text=p.text, token_ids=p.token_ids, row=p.row, source=p.source))
@@ -42,11 +45,15 @@ def assemble(groups: list[Group], trained_version: int, max_staleness: int, algo
             s.prompt_index = i
             samples.append(s)
             rewards.append(r)
+        if g.token_rewards is not None:
+            per_token.extend(g.token_rewards)
     check_versions(samples, trained_version, max_staleness)
     reward_t = torch.tensor(rewards)
     group_ids = torch.tensor([s.prompt_index for s in samples])
-    adv = algorithm.outcome_advantages(reward_t, group_ids)
+    adv = algorithm.outcome_advantages(reward_t, group_ids)   # a dense reward: outcome algorithms take its sum
     batch = build_train_batch(samples, adv, pad_id, rewards=reward_t)
+    if per_token:
+        batch.rewards = token_reward_tensor(samples, per_token, batch.response_mask)
     metrics = rollout_metrics(prompts, samples, reward_t, adv, gen_seconds)
     metrics.update(staleness_metrics(samples, trained_version, max_staleness))
     metrics["rollout/groups"] = float(len(groups))
@@ -63,6 +70,21 @@ def assemble(groups: list[Group], trained_version: int, max_staleness: int, algo
     return StepBatch(shards=shards, tokens=float(batch.response_mask.sum()), metrics=metrics,
                      example=(prompts[first.prompt_index].text, first.text, rewards[0]),
                      sources=[list(p.source) for p in prompts])
+
+
+def token_reward_tensor(samples: list[Sample], per_token: list[list[float]], response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] rewards in the batch's token convention: sample b's value for response token j at position
+    len(prompt_ids) + j, 0 elsewhere. Token-level algorithms take it as it is (algorithms.ppo.token_rewards)."""
+    if len(per_token) != len(samples):
+        raise ValueError(f"dense rewards for {len(per_token)} of {len(samples)} samples: every group of a step is "
+                         "scored by the same function")
+    out = torch.zeros_like(response_mask, dtype=torch.float32)
+    for b, (s, values) in enumerate(zip(samples, per_token)):
+        if len(values) != len(s.response_ids):
+            raise ValueError(f"sample {b}: {len(values)} dense rewards for {len(s.response_ids)} response tokens")
+        p = len(s.prompt_ids)
+        out[b, p:p + len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
 
 
 def staleness_metrics(samples: list[Sample], trained_version: int, max_staleness: int) -> dict[str, float]:

@@ -49,6 +49,7 @@ class Group:
     samples: list[Sample] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     reward_parts: dict[str, list[float]] = field(default_factory=dict)   # per source ("function", "model")
+    token_rewards: list[list[float]] | None = None   # a dense reward's values per response token, per sample
     attempts: int = 0              # dispatches (more than one after an abort or an engine failure)
     dispatched_at: float = 0.0
     ready_at: float = 0.0
