@@ -150,7 +150,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
                 batch = build_sft_batch([enc(p) for p, _ in pairs], [enc(a) + [tokenizer.eos_token_id] for _, a in pairs],
                                         tokenizer.pad_token_id)
                 cluster.trainers.step("sft_step", batch)
-        cluster.trainers.call("snapshot_reference", cluster.reference_path, bool(resumed))
+        cluster.snapshot_reference(bool(resumed))
         start = resumed["step"] + 1 if resumed else 1
         summary["resumed_from"] = start - 1 if resumed else None
         sync_metrics = cluster.sync(start - 1)                       # engines start from the trainer's weights

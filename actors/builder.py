@@ -17,12 +17,14 @@ from actors.common import actor_env, get
 from actors.coordinator import WeightSyncCoordinator
 from actors.placement import allocate
 from actors.recovery import EngineRecovery
+from actors.reference import ReferenceGroup
 from actors.reward import start_reward_workers
 from actors.rollout import RolloutActor, sampling_params
 from actors.rollout_manager import RolloutManager
 from actors.trainer import TrainerGroup
 from rlhf_orch.checkpoint import (checkpoint_dir, commit, find_good, read_rl_state, staging_dir, truncate_metrics,
                                   write_rl_state)
+from rlhf_orch.algorithms.base import make_algorithm
 from rlhf_orch.config import engine_names
 from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError
 from rlhf_orch.metrics.timeline import Timeline
@@ -83,6 +85,7 @@ class Cluster(EngineRecovery):
         self.cfg, self.run_dir, self.timeout = cfg, Path(run_dir), cfg.ray.get_timeout_s
         self.placement, self.sinks, self.started_ray = None, None, False
         self.trainers, self.coordinator, self.engines, self.rewarders = None, None, {}, []
+        self.references = None      # the separate reference group (reference.placement: separate)
         self.rollouts, self.final_ledger = None, {}
         self.faults: list[dict] = []        # engine faults and what was done about them (summary.json)
         self.unadmitted: list[str] = []     # replacements started, waiting for their first verified sync
@@ -156,6 +159,9 @@ class Cluster(EngineRecovery):
         self.colocation = Colocation(self.trainers, self.engines, sleep_levels, cfg.trainer.offload, device, self.timeout)
         self.colocation.start()
         self.trainers.init(model_path, tkw)
+        self.trainer_kwargs = tkw
+        if cfg.reference.placement == "separate" and "reference" in make_algorithm(cfg.algorithm.model_dump()).roles:
+            self.references = ReferenceGroup(cfg, name, env, self.timeout)   # loads at snapshot_reference
         self.colocation.wake_weights()      # receivers are built into awake weights; the KV cache stays freed
         get([r.score.remote([]) for r in self.rewarders], self.timeout, "reward workers to start", RewardError)
         self.coordinator = WeightSyncCoordinator.options(name=f"{name}-weight-sync", runtime_env={"env_vars": env}).remote(
@@ -252,7 +258,8 @@ class Cluster(EngineRecovery):
 
     def train(self, meta: dict, refs: list) -> dict:
         with self.timeline.span("trainer", "train"):
-            out = self.trainers.step_shards("train_step", refs, meta["tokens"])
+            extra = self.references.logprobs_refs(refs) if self.references is not None else None
+            out = self.trainers.step_shards("train_step", refs, meta["tokens"], extra)
         return {**out, **self.colocation.after_train(out)}   # trainer.offload auto: the plan, chosen after step 1
 
     def log_rollouts(self, step: int, meta: dict) -> None:
@@ -389,6 +396,15 @@ class Cluster(EngineRecovery):
     def reference_path(self) -> str:
         return str(checkpoint_dir(self.run_dir) / "reference.pt")
 
+    def snapshot_reference(self, resumed: bool) -> None:
+        """Freeze the KL reference as RL starts (a resumed run reuses the saved one): inside every policy rank, or
+        written once by the policy ranks and loaded by the separate reference group."""
+        keep = self.references is None
+        self.trainers.call("snapshot_reference", self.reference_path, resumed, keep)
+        if not keep:
+            with self.timeline.span("reference", "load"):
+                self.references.load(self.model_path, self.reference_path, self.trainer_kwargs)
+
     def _shutdown_actors(self) -> None:
         """Engines leave the broadcast group, then trainers leave theirs together, then all are killed."""
         trainers = self.trainers.actors if self.trainers is not None else []
@@ -397,7 +413,9 @@ class Cluster(EngineRecovery):
                 ray.get([a.shutdown.remote() for a in actors], timeout=30)
             except Exception as e:   # a dead actor cannot shut down cleanly; killing it below is enough
                 logger.warning("clean shutdown of %s failed: %s", what, e)
-        for a in [*self.engines.values(), *trainers, *self.rewarders, *([self.coordinator] if self.coordinator else [])]:
+        references = self.references.actors if self.references is not None else []
+        for a in [*self.engines.values(), *trainers, *references, *self.rewarders,
+                  *([self.coordinator] if self.coordinator else [])]:
             ray.kill(a)
 
     def _trainers_alive(self) -> bool:

@@ -63,11 +63,14 @@ class TrainerActor:
     def logprobs(self, batch: TrainBatch):
         return self.trainer.logprobs(batch)
 
-    def train_step(self, batch: TrainBatch, num_tokens_global: float) -> dict:
-        """On CUDA also `mem/trainer_peak_gb_max`: the most this rank's allocator held during the step (the
+    def train_step(self, batch: TrainBatch, num_tokens_global: float, ref_logprobs=None) -> dict:
+        """`ref_logprobs`: this shard's [B, T] logprobs from the separate reference group (None: the reference,
+        if any, is this rank's own copy). On CUDA also `mem/trainer_peak_gb_max`: the most this rank's allocator held during the step (the
         colocation plan of `trainer.offload: auto` reads it; max over ranks)."""
         from rlhf_orch.gpu_memory import peak_reserved_gb, reset_peak
         reset_peak(self.trainer.device)
+        if ref_logprobs is not None:
+            batch.ref_logprobs = ref_logprobs
         if self.trainer.algo.token_level:
             from rlhf_orch.trainer.token_step import token_level_step
             m = token_level_step(self.trainer, self.critic, getattr(self, "critic_warmup", 0), batch, num_tokens_global)
@@ -79,8 +82,8 @@ class TrainerActor:
     def sft_step(self, batch: TrainBatch, num_tokens_global: float) -> dict:
         return self.trainer.sft_step(batch, num_tokens_global)
 
-    def snapshot_reference(self, path: str | None = None, reuse: bool = False) -> None:
-        self.trainer.snapshot_reference(path, reuse)
+    def snapshot_reference(self, path: str | None = None, reuse: bool = False, keep: bool = True) -> None:
+        self.trainer.snapshot_reference(path, reuse, keep)
 
     def load_checkpoint(self, directory: str, tag: str) -> dict:
         out = self.trainer.load_checkpoint(directory, tag)
@@ -228,10 +231,12 @@ class TrainerGroup:
         shards = shard(batch, len(self.actors))
         return self.step_shards(method, shards, tokens)
 
-    def step_shards(self, method: str, shards: list, tokens: float) -> dict:
+    def step_shards(self, method: str, shards: list, tokens: float, extra: list | None = None) -> dict:
         """Like `step`, for a batch already split per rank (object refs from the rollout manager: the
-        tensors go from the object store to each rank without passing through the driver)."""
-        results = get([getattr(a, method).remote(s, tokens) for a, s in zip(self.actors, shards)],
+        tensors go from the object store to each rank without passing through the driver). `extra`: one more
+        argument per rank (the reference group's logprobs, object refs too)."""
+        args = [(s, tokens) if extra is None else (s, tokens, e) for s, e in zip(shards, extra or shards)]
+        results = get([getattr(a, method).remote(*arg) for a, arg in zip(self.actors, args)],
                       self.timeout_s, f"trainer {method}", TrainerError)
         return _average(results)
 

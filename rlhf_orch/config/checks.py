@@ -51,6 +51,10 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
                      "KL penalty has nowhere to go; use algorithm.kl_coef (KL in the loss), or algorithm.name: ppo / "
                      "reinforce_pp_gamma")
         p.extend(algorithm_option_problems(cfg, algo))
+        if cfg.reference.model_fields_set and "reference" not in algo.roles:
+            p.append(f"reference.{sorted(cfg.reference.model_fields_set)[0]}: {algo.name} as configured has no KL "
+                     "reference (algorithm.kl_coef is 0 and use_kl_in_reward is false); remove the reference section or "
+                     "set algorithm.kl_coef > 0")
         if algo.needs_critic and cfg.trainer.offload:
             p.append(f"trainer.offload: {algo.name}'s critic does not offload yet, so it cannot hand its GPU to colocated "
                      "engines; set trainer.offload: false (and sleep_level: 0) or use a critic-free algorithm")

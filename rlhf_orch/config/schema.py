@@ -226,6 +226,17 @@ class CriticSection(_Section):
                                          "trainer.micro_batch_size).")
 
 
+class ReferenceSection(_Section):
+    """Where the frozen KL reference lives (algorithms that need one: kl_coef > 0 or use_kl_in_reward)."""
+    placement: Literal["colocated", "separate"] = Field("colocated", description="colocated: a copy inside every "
+                                                        "policy rank (the policy's device holds the model twice); "
+                                                        "separate: reference.num_workers workers of their own (one "
+                                                        "GPU each with trainer.device cuda) compute the reference "
+                                                        "logprobs, the policy ranks hold no copy.")
+    num_workers: int = Field(1, ge=1, description="Workers of a separate reference (each holds a whole copy and takes "
+                             "a share of the policy ranks' shards).")
+
+
 class TrainerSection(_Section):
     num_ranks: int = Field(2, ge=1, description="DeepSpeed data-parallel ranks, one Ray actor each.")
     device: Literal["cpu", "cuda"] = Field("cpu", description="cpu (gloo) or cuda (NCCL, one GPU per rank).")
@@ -433,6 +444,7 @@ class ExperimentConfig(_Section):
     reward: RewardSection = Field(default_factory=RewardSection, description="Reward function.")
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection, description="RL algorithm.")
     critic: CriticSection = Field(default_factory=CriticSection, description="Value model (ppo).")
+    reference: ReferenceSection = Field(default_factory=ReferenceSection, description="The frozen KL reference.")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="DeepSpeed trainer group.")
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="Streaming rollouts and staleness.")
     engines: list[EngineConfig] = Field(min_length=1, description="Rollout engines, one entry per kind/placement.")

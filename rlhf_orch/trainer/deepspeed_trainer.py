@@ -36,8 +36,8 @@ from rlhf_orch.algorithms.base import make_algorithm
 from rlhf_orch.errors import TrainerError
 from rlhf_orch.metrics.flops import ModelFlops, device_peak_flops
 from rlhf_orch.trainer import packing as pk
-from rlhf_orch.trainer.batch import row_slices, trimmed
-from rlhf_orch.trainer.logprob import model_logprobs
+from rlhf_orch.trainer.batch import trimmed
+from rlhf_orch.trainer.forward import Forward
 from rlhf_orch.types import ParamSpec, TrainBatch, dtype_from_name
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-class DeepSpeedTrainer:
+class DeepSpeedTrainer(Forward):
     def __init__(self, model_path: str, rank: int, world_size: int, *, device: str = "cpu", zero_stage: int = 2,
                  lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float = 1.0, bf16: bool = False,
                  algorithm: dict | None = None, temperature: float = 1.0, ppo_epochs: int = 1, seed: int = 0,
@@ -141,35 +141,6 @@ class DeepSpeedTrainer:
         # DeepSpeed leave after start-up that costs ~0.3-0.7 s per step. Frozen objects are skipped.
         gc.freeze()
 
-    # ---- forward ----------------------------------------------------------------------------------
-    def _logprobs(self, module, batch: TrainBatch, with_entropy: bool = False, entropy_grad: bool = False):
-        """([B, T] logprobs, [B, T] entropies or None) of a right-padded batch; position 0 predicts nothing."""
-        ids = batch.input_ids.to(self.device)
-        attn = batch.attention_mask.to(self.device)
-        tok, ent = model_logprobs(module, ids, self.temperature, self.chunk, with_entropy, entropy_grad,
-                                  attention_mask=attn)
-        pad = torch.nn.functional.pad
-        return pad(tok, (1, 0)), (pad(ent, (1, 0)) if ent is not None else None)
-
-    def _mb_logprobs(self, module, mb: TrainBatch, with_entropy: bool = False, entropy_grad: bool = False):
-        """One micro-batch's [b, w] logprobs (and entropies, with a gradient for an entropy bonus): one packed row
-        with `packing`, the padded forward otherwise."""
-        if self.packing:
-            return pk.packed_logprobs(module, mb, self.temperature, self.attn, self.device, self.chunk, with_entropy,
-                                      entropy_grad)
-        return self._logprobs(module, mb, with_entropy, entropy_grad)
-
-    def _shard_logprobs(self, module, batch: TrainBatch) -> torch.Tensor:
-        """[B, T] logprobs of a whole shard (callers hold no_grad). With a token budget it goes one
-        micro-batch at a time, so a no-grad pass never needs more memory than a training micro-batch."""
-        if not self.budget:
-            return self._logprobs(module, batch)[0]
-        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
-        for rows in self._micro_batches(batch):
-            mb, width = trimmed(batch, rows)
-            out[rows, :width] = self._mb_logprobs(module, mb)[0]
-        return out
-
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, T] logprobs of `batch` under the current policy (no grad), on CPU."""
@@ -179,17 +150,27 @@ class DeepSpeedTrainer:
 
     @torch.no_grad()
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """[B, T] logprobs of `batch` under the frozen reference, on CPU (KL in the reward)."""
+        """[B, T] logprobs of `batch` under the frozen reference, on CPU (KL in the reward): the separate reference
+        group's, when the batch carries them."""
+        if batch.ref_logprobs is not None:
+            return batch.ref_logprobs.cpu()
         self._need_states("reference logprobs")
         return self._shard_logprobs(self.ref_model, batch).cpu()
 
-    def snapshot_reference(self, path: str | None = None, reuse: bool = False) -> None:
+    def snapshot_reference(self, path: str | None = None, reuse: bool = False, keep: bool = True) -> None:
         """Freeze the KL reference: the policy as RL starts (call on every rank together). Built from the
         gathered weights, so it works for every ZeRO stage; a full copy per rank, fine for models that fit
         one device (a separate reference group is the plan for larger ones). With `path`, rank 0 saves it
         there; a resumed run (`reuse`) loads it back instead of freezing the resumed policy, and a fresh
-        run in the same folder overwrites it."""
+        run in the same folder overwrites it. `keep=False` (reference.placement: separate): only write the
+        snapshot to `path` for the reference group; this rank holds no copy."""
         if "reference" not in self.algo.roles:
+            return
+        if not keep and reuse and path and os.path.exists(path):
+            return          # the resumed run's reference is already there for the group to load
+        if not keep and self.rank != 0:
+            for _ in self.iter_named_tensors(self._gather_groups(256 << 20)):
+                pass        # the gather is collective (ZeRO-3); only rank 0 writes the snapshot
             return
         from transformers import AutoModelForCausalLM
         ref = AutoModelForCausalLM.from_config(self.engine.module.config, dtype=torch.float32)
@@ -204,6 +185,8 @@ class DeepSpeedTrainer:
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     torch.save(ref.state_dict(), path + ".tmp")
                     os.replace(path + ".tmp", path)
+        if not keep:
+            return
         self.ref_model = ref.to(self.device).eval().requires_grad_(False)
         self._ref_host = None
         if self.device.type == "cuda":
@@ -218,7 +201,9 @@ class DeepSpeedTrainer:
         mask = batch.response_mask.to(self.device)
         adv = batch.advantages.to(self.device)
         ref = None
-        if self.kl_coef > 0:
+        if self.kl_coef > 0 and batch.ref_logprobs is not None:   # from the separate reference group
+            ref = batch.ref_logprobs.to(self.device)
+        elif self.kl_coef > 0:
             if self.ref_model is None:
                 raise TrainerError(f"trainer rank {self.rank}: algorithm.kl_coef > 0 but no KL reference was taken; "
                                    "call snapshot_reference() before the first train step")
@@ -302,14 +287,6 @@ class DeepSpeedTrainer:
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(n)
         return float(n)
-
-    def _micro_batches(self, batch: TrainBatch) -> list[slice] | list[list[int]]:
-        """Row selections of a shard: token-budget groups (packing.micro_batch_plan) when a budget is set,
-        else contiguous slices of `micro_batch_size` rows (the whole shard when 0)."""
-        n = len(batch)
-        if self.budget and n:
-            return pk.micro_batch_plan(pk.seq_lengths(batch), self.budget, self.packing)
-        return row_slices(n, self.micro_batch_size)
 
     def sft_step(self, batch: TrainBatch, num_tokens_global: float) -> dict[str, float]:
         """One supervised step (negative log-likelihood of the response tokens)."""
