@@ -73,8 +73,10 @@ def critic_kwargs(cfg) -> dict:
     c, t = cfg.critic, cfg.trainer
     return dict(model_path=c.model_path, lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps,
                 zero_stage=t.zero_stage if c.zero_stage is None else c.zero_stage, grad_clip=t.grad_clip, bf16=t.bf16,
-                seed=cfg.experiment.seed, cliprange_value=c.cliprange_value, gradient_checkpointing=t.gradient_checkpointing,
-                micro_batch_size=t.micro_batch_size if c.micro_batch_size is None else c.micro_batch_size)
+                seed=cfg.experiment.seed, cliprange_value=c.cliprange_value, vf_coef=c.vf_coef,
+                gradient_checkpointing=t.gradient_checkpointing,
+                micro_batch_size=t.micro_batch_size if c.micro_batch_size is None else c.micro_batch_size,
+                max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, packing=t.packing, attn=t.attn)
 
 
 class Cluster(EngineRecovery):

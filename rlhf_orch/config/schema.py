@@ -220,10 +220,15 @@ class CriticSection(_Section):
     zero_stage: Literal[0, 1, 2, 3] | None = Field(None, description="DeepSpeed ZeRO stage (default: trainer.zero_stage).")
     cliprange_value: float = Field(0.5, gt=0, description="Value clipping around the values the step started with "
                                    "(verl's critic.cliprange_value).")
+    vf_coef: float = Field(1.0, gt=0, allow_inf_nan=False, description="Value loss coefficient: the critic's loss "
+                           "is vf_coef x the clipped value loss. The critic has its own optimizer, so with Adam this "
+                           "acts through the gradient clipping (trainer.grad_clip) and epsilon, much like a learning-"
+                           "rate change; the reported critic/vf_loss is before the coefficient.")
     warmup_steps: int = Field(0, ge=0, description="Steps that train only the critic before the policy starts "
                               "(verl's trainer.critic_warmup).")
     micro_batch_size: int | None = Field(None, ge=0, description="Sequences per critic forward/backward (default: "
-                                         "trainer.micro_batch_size).")
+                                         "trainer.micro_batch_size). With trainer.max_tokens_per_micro_batch the "
+                                         "critic takes that token budget (and trainer.packing) instead.")
 
 
 class ReferenceSection(_Section):

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from rlhf_orch.engines.base import EngineLifecycle, SamplingParams, per_prompt_params
+from rlhf_orch.engines.base import EngineLifecycle, per_prompt_params
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample, dtype_from_name
 from rlhf_orch.weight_sync.buckets import checksums

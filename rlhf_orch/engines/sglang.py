@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhf_orch.engines.base import WAKE_TAGS, EngineLifecycle, SamplingParams, per_prompt_params
+from rlhf_orch.engines.base import WAKE_TAGS, EngineLifecycle, per_prompt_params
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
 from rlhf_orch.weight_sync.buckets import BucketLayout, checksums
@@ -176,7 +176,7 @@ class SGLangEngine(EngineLifecycle):
             raise EngineError(f"engine {name}: SGLANG_RETURN_ORIGINAL_LOGPROB is set, so SGLang would return logprobs "
                               "before temperature; unset it (the trainer compares log_softmax(logits / T))")
         try:
-            import sglang
+            import sglang  # noqa: F401  (installed? the error below says how to get it)
         except ImportError as e:
             raise EngineError(f"engine {name}: SGLang is not installed (pip install 'rlhf_orch[sglang]' or set the "
                               f"engine's python_path): {e}") from e

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhf_orch.engines.base import WAKE_TAGS, EngineLifecycle, SamplingParams, per_prompt_params
+from rlhf_orch.engines.base import WAKE_TAGS, EngineLifecycle, per_prompt_params
 from rlhf_orch.engines.vllm_worker import pack_arg
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample

@@ -62,7 +62,7 @@ def wandb_online_problem() -> str | None:
             return None
     except (OSError, netrc.NetrcParseError):
         pass
-    return (f"online needs a W&B API key: export WANDB_API_KEY=... (or run `wandb login`), or keep wandb_mode: "
+    return ("online needs a W&B API key: export WANDB_API_KEY=... (or run `wandb login`), or keep wandb_mode: "
             "offline and upload later with `wandb sync <run>/wandb/offline-run-*`")
 
 

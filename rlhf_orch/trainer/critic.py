@@ -9,7 +9,9 @@ that predicts token t's logprob); position 0 holds 0.
 rate, living in the same process as that rank's policy trainer (the process group is the policy's). It
 computes values (no grad), takes value-loss steps (verl's clipped loss, aggregated by the global token count
 as the policy's loss is), and saves/loads its checkpoint. It knows no algorithm: PPO (algorithms/ppo.py)
-turns its values into advantages and returns. It does not offload, pack or sync weights to engines.
+turns its values into advantages and returns. It cuts a shard into micro-batches as the policy does (rows, or the
+trainer's token budget: forward.Forward) and with `packing` runs each as one packed row (packing.packed_values).
+It does not offload or sync weights to engines.
 """
 from __future__ import annotations
 
@@ -19,18 +21,21 @@ import os
 import torch
 
 from rlhf_orch.errors import TrainerError
-from rlhf_orch.trainer.batch import row_slices, trimmed
+from rlhf_orch.trainer import packing as pk
+from rlhf_orch.trainer.batch import trimmed
 from rlhf_orch.trainer.deepspeed_trainer import ds_config
+from rlhf_orch.trainer.forward import Forward
 from rlhf_orch.types import TrainBatch
 
 logger = logging.getLogger(__name__)
 
 
 class ValueModel(torch.nn.Module):
-    def __init__(self, model_path: str, seed: int):
+    def __init__(self, model_path: str, seed: int, attn: str | None = None):
         super().__init__()
         from transformers import AutoModelForCausalLM
-        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        extra = {"attn_implementation": attn} if attn else {}
+        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **extra)
         self.config = lm.config
         self.decoder = lm.get_decoder()
         torch.manual_seed(seed + 1)   # its own head, reproducibly: not the policy's draw
@@ -38,23 +43,29 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.normal_(self.value_head.weight, std=1.0 / (lm.config.hidden_size + 1))
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask=None) -> torch.Tensor:
-        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(self, input_ids, attention_mask=None, **kw) -> torch.Tensor:
+        """`kw`: a packed row's position ids and attention boundaries (packing.packed_values)."""
+        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kw).last_hidden_state
         v = self.value_head(hidden).squeeze(-1).float()            # [B, T]: value after each position
         return torch.nn.functional.pad(v[:, :-1], (1, 0))           # position t: the value before token t
 
 
-class DeepSpeedCritic:
+class DeepSpeedCritic(Forward):
     def __init__(self, model_path: str, rank: int, world_size: int, *, device: torch.device, zero_stage: int,
                  lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0, bf16: bool = False, seed: int = 0,
-                 micro_batch_size: int = 0, cliprange_value: float = 0.5, gradient_checkpointing: bool = False):
+                 micro_batch_size: int = 0, cliprange_value: float = 0.5, gradient_checkpointing: bool = False,
+                 max_tokens_per_micro_batch: int = 0, packing: bool = False, attn: str = "auto", vf_coef: float = 1.0):
         import deepspeed
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.micro_batch_size, self.cliprange_value = micro_batch_size, cliprange_value
+        self.micro_batch_size, self.cliprange_value, self.vf_coef = micro_batch_size, cliprange_value, vf_coef
+        self.budget, self.packing = max_tokens_per_micro_batch, packing
+        if packing and not self.budget:
+            raise TrainerError("critic: packing needs trainer.max_tokens_per_micro_batch > 0")
+        self.attn = pk.resolve_attn(attn, device.type) if packing else None
         # Micro-batches accumulate by hand, as in the policy trainer.
         config = ds_config(world_size, zero_stage, lr, weight_decay, grad_clip, bf16, manual_accumulation=True)
         try:
-            model = ValueModel(model_path, seed)
+            model = ValueModel(model_path, seed, self.attn)
             if gradient_checkpointing:
                 model.decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -63,6 +74,8 @@ class DeepSpeedCritic:
         self.steps = 0
 
     def _values(self, batch: TrainBatch) -> torch.Tensor:
+        if self.packing:
+            return pk.packed_values(self.engine, batch, self.attn, self.device)
         return self.engine(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
 
     @torch.no_grad()
@@ -70,7 +83,7 @@ class DeepSpeedCritic:
         """[B, T] values of a shard (0 at position 0; garbage at padding: callers mask)."""
         self.engine.module.eval()
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
-        for rows in row_slices(len(batch), self.micro_batch_size):
+        for rows in self._micro_batches(batch):
             mb, width = trimmed(batch, rows)
             out[rows, :width] = self._values(mb)
         return out
@@ -83,13 +96,13 @@ class DeepSpeedCritic:
         mask = batch.response_mask.to(self.device)
         returns, old_values = returns.to(self.device), old_values.to(self.device)
         total, clipped = 0.0, 0.0
-        for rows in row_slices(len(batch), self.micro_batch_size):
+        for rows in self._micro_batches(batch):
             mb, width = trimmed(batch, rows)
             vpred = self._values(mb)
             loss, m = value_loss(vpred, old_values[rows, :width], returns[rows, :width], mask[rows, :width],
                                  self.cliprange_value, num_tokens_global=num_tokens_global)
             # DeepSpeed averages gradients over ranks; each rank's loss is over the global token count.
-            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+            self.engine.backward(loss * self.vf_coef * self.world_size, scale_wrt_gas=False)
             total += float(loss.detach())
             clipped += m["vf_clipfrac"] * float(mask[rows, :width].sum())
         self.engine.step()

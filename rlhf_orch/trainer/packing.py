@@ -6,7 +6,8 @@
   rank with the fewest tokens so far), instead of contiguous equal-count shards.
 - `packed_logprobs`: one micro-batch's sequences concatenated into a single row (position ids restarting
   at 0 per sequence, block-diagonal causal attention), its per-token logprobs unpacked back into the
-  usual right-padded [B, W] layout, so the loss code is the same for both paths.
+  usual right-padded [B, W] layout, so the loss code is the same for both paths. `packed_values` does the same
+  for a value model (the critic).
 - `resolve_attn`: the attention implementation for the packed path: flash_attention_2 (the flash_attn
   package), varlen (torch's own flash varlen kernel on CUDA, per-sequence SDPA elsewhere: varlen.py), or
   sdpa with a block-diagonal [L, L] mask.
@@ -140,11 +141,7 @@ def packed_logprobs(module, batch: TrainBatch, temperature: float, attn: str, de
     lengths = seq_lengths(batch)
     B, W = len(lengths), max(lengths, default=1)
     ids, pos = pack(batch.input_ids.to(device), lengths)
-    kw: dict = {"position_ids": pos}
-    if attn == varlen.NAME:
-        kw.update(varlen.boundaries(lengths, ids.device))
-    elif attn != "flash_attention_2":
-        kw["attention_mask"] = block_causal_mask(lengths, ids.device)
+    kw = {"position_ids": pos, **attention_kwargs(lengths, attn, ids.device)}
     tok, ent = model_logprobs(module, ids, temperature, chunk_tokens, with_entropy, entropy_grad, **kw)
     # Packed position p predicts token p + 1; at each sequence's last token that is the next sequence's
     # first token, a meaningless value the scatter below leaves out.
@@ -155,3 +152,28 @@ def packed_logprobs(module, batch: TrainBatch, temperature: float, attn: str, de
     def unpack(v: torch.Tensor) -> torch.Tensor:
         return torch.zeros((B, W), dtype=v.dtype, device=ids.device).index_put(where, v[0][keep])
     return unpack(tok), (unpack(ent) if ent is not None else None)
+
+
+def attention_kwargs(lengths: list[int], attn: str, device) -> dict:
+    """What a packed row's forward needs to keep its sequences apart: sdpa an explicit block-diagonal causal mask
+    (a 4D mask is used as given by transformers), varlen the sequences' boundaries (cu_seq_lens), flash_attention_2
+    nothing (it derives them from the restarting position ids)."""
+    if attn == varlen.NAME:
+        return varlen.boundaries(lengths, device)
+    if attn != "flash_attention_2":
+        return {"attention_mask": block_causal_mask(lengths, device)}
+    return {}
+
+
+def packed_values(module, batch: TrainBatch, attn: str, device) -> torch.Tensor:
+    """A value model's [B, W] values of `batch` from one packed forward (W = longest row), in the padded path's
+    layout: `module(ids, position_ids=..., **attention)` returns [1, L] with position p holding the value read
+    from the hidden state of p - 1 (critic.ValueModel); each sequence's position 0 (which would read the previous
+    sequence's last token) and the padding are 0."""
+    lengths = seq_lengths(batch)
+    B, W = len(lengths), max(lengths, default=1)
+    ids, pos = pack(batch.input_ids.to(device), lengths)
+    v = module(ids, position_ids=pos, **attention_kwargs(lengths, attn, ids.device))
+    rows = torch.repeat_interleave(torch.arange(B, device=ids.device), torch.tensor(lengths, device=ids.device))
+    keep = pos[0] > 0
+    return torch.zeros((B, W), dtype=v.dtype, device=ids.device).index_put((rows[keep], pos[0][keep]), v[0][keep])

@@ -3,7 +3,6 @@ in this process) is up, a thread lists every listening TCP socket of this proces
 dashboard and its agents, metrics, every actor's core worker) and each must be bound to 127.0.0.1 or ::1.
 `non_loopback` is checked on a made-up socket list too, so the assertion can fail."""
 import ipaddress
-import os
 import sys
 import threading
 from collections import namedtuple

@@ -45,7 +45,9 @@ def test_ppo_critic_learns_and_resumes_exactly(tmp_path):
 
 
 def test_ppo_with_kl_in_reward_and_an_adaptive_controller(tmp_path):
-    recs = _run(tmp_path, "klr", 4, "algorithm.use_kl_in_reward=true", "algorithm.kl_coef=0",
+    # Packed token-budget micro-batches too (policy and critic): the roles' padding-free path in a real run.
+    recs = _run(tmp_path, "klr", 4, "trainer.max_tokens_per_micro_batch=48", "trainer.packing=true",
+                "algorithm.use_kl_in_reward=true", "algorithm.kl_coef=0",
                 "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05", "algorithm.kl_ctrl.target_kl=0.01",
                 "algorithm.kl_ctrl.horizon=1000")
     betas = [r["kl_ctrl/beta"] for r in recs]
@@ -54,3 +56,4 @@ def test_ppo_with_kl_in_reward_and_an_adaptive_controller(tmp_path):
     assert betas[1] == pytest.approx(0.05 * (1 - 0.2 * 128 / 1000))
     assert all(math.isfinite(r["kl_ctrl/kl"]) and r["kl_ctrl/kl"] >= 0 for r in recs)
     assert recs[-1]["kl_ctrl/kl"] > 0 and "train/kl" not in recs[-1]   # KL only in the reward here
+    assert all(math.isfinite(r["critic/explained_var"]) and r["train/micro_batches"] > 1 for r in recs)
