@@ -1,6 +1,8 @@
 """PPO's trainer side on a GPU: one DeepSpeed rank holding the policy, its frozen reference and a critic (bf16,
 ZeRO-2) runs token-level steps with KL in the reward and an adaptive controller; the critic's value loss falls on
-a fixed batch and every metric is finite.
+a fixed batch and every metric is finite. The critic runs packed token-budget micro-batches as the policy does,
+and a FrozenReference (reference.placement: separate) loaded from the rank's snapshot on the same GPU gives the
+logprobs of the rank's own reference.
 
     python -m pytest -q -m gpu -s tests/gpu/test_ppo_gpu.py
 """
@@ -38,9 +40,17 @@ def test_ppo_rank_with_critic_reference_and_kl_controller(tmp_path):
             "kl_ctrl": {"type": "adaptive", "kl_coef": 0.05, "target_kl": 0.01, "horizon": 100}}
     tr = DeepSpeedTrainer(str(tmp_path / "m"), 0, 1, device="cuda", zero_stage=2, lr=1e-5, bf16=True, algorithm=algo,
                           max_tokens_per_micro_batch=2048, packing=True)
-    tr.snapshot_reference()
-    critic = DeepSpeedCritic(str(tmp_path / "m"), 0, 1, device=tr.device, zero_stage=2, lr=1e-3, bf16=True)
+    tr.snapshot_reference(str(tmp_path / "reference.pt"))
+    critic = DeepSpeedCritic(str(tmp_path / "m"), 0, 1, device=tr.device, zero_stage=2, lr=1e-3, bf16=True,
+                             max_tokens_per_micro_batch=2048, packing=True)
     lengths = [5, 17, 2, 333, 9, 120, 64, 40, 700, 31]
+    from rlhf_orch.trainer.reference import FrozenReference
+    apart = FrozenReference(str(tmp_path / "m"), str(tmp_path / "reference.pt"), device="cuda",
+                            max_tokens_per_micro_batch=2048, packing=True)
+    probe = _batch(lengths, prompt=8, vocab=1000)
+    diff = (apart.logprobs(probe) - tr.reference_logprobs(probe)).abs().max()
+    print(f"separate reference vs the rank's own: max |diff| {float(diff):.2e}")
+    assert float(diff) <= 1e-5
     out = []
     for _ in range(4):
         batch = _batch(lengths, prompt=8, vocab=1000)
