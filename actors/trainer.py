@@ -65,8 +65,8 @@ class TrainerActor:
 
     def train_step(self, batch: TrainBatch, num_tokens_global: float, ref_logprobs=None) -> dict:
         """`ref_logprobs`: this shard's [B, T] logprobs from the separate reference group (None: the reference,
-        if any, is this rank's own copy). On CUDA also `mem/trainer_peak_gb_max`: the most this rank's allocator held during the step (the
-        colocation plan of `trainer.offload: auto` reads it; max over ranks)."""
+        if any, is this rank's own copy). On CUDA also `mem/trainer_peak_gb_max`: the most this rank's allocator
+        held during the step (the colocation plan of `trainer.offload: auto` reads it; max over ranks)."""
         from rlhf_orch.gpu_memory import peak_reserved_gb, reset_peak
         reset_peak(self.trainer.device)
         if ref_logprobs is not None:

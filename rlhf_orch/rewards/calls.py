@@ -20,8 +20,9 @@ A per-sample sync function with no timeout is called exactly as before this modu
 thread, one sample after another, so rewards are bit for bit those of earlier versions.
 
 A value must be a finite int or float (not a bool); a dense function's value (`dense=True`, or the
-rlhf_orch.rewards.dense decorator) is a list of them, one per response token: len(row["response_ids"]). An exception, any other value, a batch result of the wrong
-length, or a timeout is a RewardError naming the function, the prompt and what it returned. No Ray, no torch.
+rlhf_orch.rewards.dense decorator) is a list of them, one per response token: len(row["response_ids"]). An
+exception, any other value, a batch result of the wrong length, or a timeout is a RewardError naming the function,
+the prompt and what it returned. No Ray, no torch.
 """
 from __future__ import annotations
 
