@@ -259,8 +259,11 @@ class Cluster(EngineRecovery):
         return meta, refs
 
     def train(self, meta: dict, refs: list) -> dict:
+        extra = None
+        if self.references is not None:   # the separate reference group first: the ranks wait for its logprobs
+            with self.timeline.span("reference", "logprobs"):
+                extra = self.references.logprobs_refs(refs)
         with self.timeline.span("trainer", "train"):
-            extra = self.references.logprobs_refs(refs) if self.references is not None else None
             out = self.trainers.step_shards("train_step", refs, meta["tokens"], extra)
         return {**out, **self.colocation.after_train(out)}   # trainer.offload auto: the plan, chosen after step 1
 

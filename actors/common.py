@@ -90,6 +90,10 @@ def get(refs, timeout: float, what: str, error_cls: type[RLHFOrchError] = RLHFOr
         cause = e.cause if getattr(e, "cause", None) is not None else e
         if isinstance(cause, RLHFOrchError):
             raise cause from None
+        if isinstance(cause, RayActorError):   # an input of the task came from an actor that died (a reference worker)
+            actor_id = getattr(cause, "actor_id", None)
+            raise error_cls(f"{what} failed: {ACTOR_DIED}{_actor_name(actor_id)} before it delivered an input of this "
+                            f"task ({str(cause).splitlines()[0][:300]}){_log_tail(actor_id)}") from None
         raise error_cls(f"{what} failed: {type(cause).__name__}: {cause}") from None
     except RayActorError as e:
         actor_id = getattr(e, "actor_id", None)

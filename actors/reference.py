@@ -4,7 +4,7 @@
 outside the trainer's and engines' placement, like reward-model workers; nothing on cpu), loads the snapshot the
 policy ranks wrote, and for each step hands every policy shard's object reference to a worker: the logprobs come
 back as object references too, which the driver passes to the policy ranks beside their shards, so the tokens and
-logprobs of a step never pass through the driver.
+logprobs of a step never pass through the driver (it waits only on a row count per shard).
 """
 from __future__ import annotations
 
@@ -26,10 +26,12 @@ class ReferenceActor:
         self.ref = FrozenReference(model_path, state_path, device=self.device, **kwargs)
         return self.ref.device_id()
 
+    @ray.method(num_returns=2)
     def logprobs(self, batch):
+        """(rows done, [B, T] logprobs): the driver waits on the small first value, the ranks take the second."""
         if self.ref is None:
             raise TrainerError("reference worker: logprobs before load")
-        return self.ref.logprobs(batch)
+        return len(batch), self.ref.logprobs(batch)
 
     def health(self) -> dict:
         import os
@@ -57,5 +59,9 @@ class ReferenceGroup:
                    "reference workers to load the reference", TrainerError)
 
     def logprobs_refs(self, shards: list) -> list:
-        """One object reference of [B, T] logprobs per shard (object references or TrainBatches), round robin."""
-        return [self.actors[i % len(self.actors)].logprobs.remote(s) for i, s in enumerate(shards)]
+        """One object reference of [B, T] logprobs per shard (object references or TrainBatches), round robin,
+        returned once every worker has computed its share: a dead worker is an error here (naming it), before any
+        policy rank enters a step whose collectives the others would wait in for good."""
+        done, out = zip(*(self.actors[i % len(self.actors)].logprobs.remote(s) for i, s in enumerate(shards)))
+        get(list(done), self.timeout_s, "reference logprobs", TrainerError)
+        return list(out)

@@ -1,5 +1,6 @@
-"""A dead trainer rank or reward worker restarts the run from its latest checkpoint, by itself, and the run ends
-exactly where an uninterrupted one does: SIGKILL trainer rank 1 (or the reward worker) at step ~12 of 20 (checkpoints every 5 steps); the run restarts
+"""A dead trainer rank, reward worker or separate reference worker restarts the run from its latest checkpoint, by
+itself, and the run ends exactly where an uninterrupted one does: SIGKILL trainer rank 1 (or the reward worker, or
+reference worker 1 of a `reference.placement: separate` run) at step ~12 of 20 (checkpoints every 5 steps); the run restarts
 from step 10 and its 20 steps match the synchronous-loop baseline recorded before the rollout manager existed
 (tests/data/tiny_cpu_20steps_baseline.json) to 1e-6; summary.json lists the restart."""
 import json
@@ -19,13 +20,14 @@ pytestmark = pytest.mark.integration
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
 
 
-@pytest.mark.parametrize("victim", ["-trainer-1", "-reward-0"])
-def test_killed_trainer_rank_or_reward_worker_restarts_the_run_from_its_checkpoint_exactly(tmp_path, victim):
+@pytest.mark.parametrize("victim, extra", [("-trainer-1", []), ("-reward-0", []),
+                                           ("-reference-1", ["reference.placement=separate", "reference.num_workers=2"])])
+def test_killed_trainer_rank_or_reward_worker_restarts_the_run_from_its_checkpoint_exactly(tmp_path, victim, extra):
     base = json.loads((ROOT / "tests/data/tiny_cpu_20steps_baseline.json").read_text())
     info = {}
     killer = _fault_at(tmp_path / "restart", 12, signal.SIGKILL, victim, info)
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
-                      "experiment.name=restart", "experiment.steps=20", "trainer.checkpoint_every=5", *QUIET])
+                      "experiment.name=restart", "experiment.steps=20", "trainer.checkpoint_every=5", *QUIET, *extra])
     killer.join(timeout=5)
     assert rc == 0 and info
     run = tmp_path / "restart"
