@@ -7,6 +7,12 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The recorded baselines (tests/data/*baseline*.json) compare weight digests bit for bit, and CPU kernels round
+# differently on AVX2 and AVX-512 machines (seen 2026-11-26: same packages, other digests). Every process a test
+# starts (Ray workers inherit this environment) takes the AVX2 kernels of ATen, MKL and oneDNN, as at recording.
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+os.environ.setdefault("MKL_CBWR", "AVX2")
+os.environ.setdefault("DNNL_MAX_CPU_ISA", "AVX2")
 
 
 @pytest.fixture(scope="session")
