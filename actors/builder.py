@@ -168,7 +168,8 @@ class Cluster(EngineRecovery):
         get([r.score.remote([]) for r in self.rewarders], self.timeout, "reward workers to start", RewardError)
         self.coordinator = WeightSyncCoordinator.options(name=f"{name}-weight-sync", runtime_env={"env_vars": env}).remote(
             self.trainers.actors, self.engines, device, cfg.model.dtype, cfg.weight_sync.transport,
-            int(cfg.weight_sync.bucket_size_mb * 2**20), cfg.weight_sync.verify, cfg.weight_sync.timeout_s)
+            int(cfg.weight_sync.bucket_size_mb * 2**20), cfg.weight_sync.verify, cfg.weight_sync.timeout_s,
+            cfg.weight_sync.replay_loads)
         # Parameter specs and group creation: the configured deadline, else the model's (known only after the specs).
         info = get(self.coordinator.setup.remote(), cfg.weight_sync.timeout_s or self.timeout, "weight-sync setup",
                    WeightSyncError)

@@ -33,8 +33,9 @@ logger = logging.getLogger(__name__)
 @ray.remote(num_cpus=0)
 class WeightSyncCoordinator:
     def __init__(self, trainers: list, engines: dict, device: str, dtype: str, transport: str,
-                 bucket_bytes: int, verify: bool, timeout_s: float | None):
+                 bucket_bytes: int, verify: bool, timeout_s: float | None, replay: bool = True):
         setup_process("cpu")
+        self.replay = replay
         self.trainers, self.engines = trainers, engines
         self.device, self.dtype, self.transport = device, dtype, transport
         self.bucket_bytes, self.verify, self.configured_timeout = bucket_bytes, verify, timeout_s
@@ -74,7 +75,8 @@ class WeightSyncCoordinator:
         for name, route in self.plan.routes.items():
             g = group if route.transport == "broadcast" else None
             rank = route.group_ranks[0] if route.group_ranks else 0
-            refs.append(self.engines[name].setup_receiver.remote(self.layouts, g, rank, self.verify, self.timeout_s))
+            refs.append(self.engines[name].setup_receiver.remote(self.layouts, g, rank, self.verify, self.timeout_s,
+                                                                 self.replay))
         handles = self._get(refs, "weight-sync group creation and warm-up")[:len(self.trainers)]
         # Colocated engines that stream open their rank's two buffers once and give it their mailbox.
         connect = [(rank, e) for rank, es in self.plan.ipc_targets.items() for e in es if streams[e]]

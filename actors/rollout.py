@@ -68,16 +68,20 @@ class RolloutActor:
         return samples, {"tokens": tokens, "seconds": secs, "start": start, "end": start + secs}
 
     # ---- weight sync ----------------------------------------------------------------------------
-    def setup_receiver(self, layouts, group: dict | None, rank: int, verify: bool, timeout_s: float) -> float:
+    def setup_receiver(self, layouts, group: dict | None, rank: int, verify: bool, timeout_s: float,
+                       replay: bool = True) -> float:
         import torch
+        from rlhf_orch.weight_sync.replay import LoadReplay
         self.verify = verify
         self.close_receiver()   # a re-plan after an engine fault: leave the old broadcast group first
         if hasattr(self.engine, "setup_receiver"):
             # Engines with their own worker processes (vLLM) run a receiver in every worker.
             self.receiver = self.engine
-            return self.engine.setup_receiver(layouts, group, rank, verify, timeout_s)
+            return self.engine.setup_receiver(layouts, group, rank, verify, timeout_s, replay)
         device = getattr(self.engine, "device", torch.device("cpu"))
-        self.receiver = WeightReceiver(layouts, device, self.engine.load_weights, self.engine.checksums)
+        params = getattr(self.engine, "replay_params", None)   # hf: its parameters, checked awake
+        self.receiver = WeightReceiver(layouts, device, self.engine.load_weights, self.engine.checksums,
+                                       LoadReplay(params, replay) if params is not None else None)
         if group is None:
             return 0.0
         return self.receiver.join_group(group["backend"], group["host"], group["port"], rank, group["world_size"],

@@ -26,6 +26,7 @@ from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync import WeightReceiver, checksums
 from rlhf_orch.weight_sync.collective import GROUP_NAME, BroadcastGroup
 from rlhf_orch.weight_sync.ipc import open_handle
+from rlhf_orch.weight_sync.replay import LoadReplay
 
 HOST = "127.0.0.1"
 TIMEOUT_S = 600.0
@@ -55,7 +56,7 @@ class RawEngine:
         p = self.params
         self.receiver = WeightReceiver(layouts, self.device,
                                        lambda named: torch._foreach_copy_([p[n] for n, _ in named], [t for _, t in named]),
-                                       lambda names: checksums(p[n] for n in names))
+                                       lambda names: checksums(p[n] for n in names), LoadReplay(lambda: p))
         if group is None:
             return 0.0
         return self.receiver.join_group(group["backend"], group["host"], group["port"], rank_offset, group["world_size"],
@@ -75,6 +76,9 @@ class RawEngine:
 
     def abort_stream(self) -> None:
         self.receiver.abort_stream()
+
+    def set_replay(self, enabled: bool) -> None:
+        self.receiver.set_replay(enabled)
 
     def pause(self, mode: str = "wait") -> None:
         pass
@@ -188,6 +192,10 @@ class HostState:
 
     def resume(self):
         self.engine.resume()
+
+    def set_replay(self, enabled: bool):
+        """Load replay (weight_sync/replay.py) on, or off: the engine's own loader at every sync."""
+        self.engine.set_replay(bool(enabled))
 
     # ---- baselines: SGLang's own calls and the per-parameter paths (untimed set-up, timed by the trainer) --------
     def hook(self, verify: bool):
@@ -337,7 +345,8 @@ class Pool:
 # ---- reporting ----------------------------------------------------------------------------------------
 LABELS = {"floor1": "floor, first receiving GPU only",
           "shard": "per-shard ideal (1/k of each bucket to each of k GPUs)", "one_call": "SGLang's own one call (unverified)",
-          "naive": "per-parameter calls"}
+          "naive": "per-parameter calls", "sync_loader": "ours, engine's loader every sync (replay off)",
+          "loader_load": "its engine load phase (replay off)"}
 PHASES = ["pause", "transfer", "pack", "wait", "load", "verify", "resume", "total"]
 
 

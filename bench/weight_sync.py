@@ -300,6 +300,12 @@ class Case:
             tr.sync()
             rec = {"floor": self.floor_copy() if self.coloc else self.floor_bcast(self.parts["floor"])}
             rec["sync"], ph, eng = self.sync(r)
+            if a.compare_loads:   # the same sync with the engine's own loader, in the same round (replay off)
+                torch._foreach_neg_(list(tr.params.values()))
+                self._all("set_replay", False, names=list(self.streaming))
+                rec["sync_loader"], ph_l, _ = self.sync(r)
+                self._all("set_replay", True, names=list(self.streaming))
+                rec["loader_load"] = ph_l["sync/load_s"]
             for key in ("floor1", "shard"):
                 if key in self.parts:
                     rec[key] = self.floor_bcast(self.parts[key])
@@ -350,6 +356,8 @@ def parse_args(argv=None):
     ap.add_argument("--shard-floor", action="store_true", help="also the per-shard ideal (>1 receiving GPU)")
     ap.add_argument("--no-one-call", action="store_true", help="sglang: skip SGLang's own one-call baseline")
     ap.add_argument("--naive", action="store_true", help="also the per-parameter path, after the rounds")
+    ap.add_argument("--compare-loads", action="store_true",
+                    help="each round also syncs with load replay off (the engine's loader at every sync)")
     ap.add_argument("--naive-repeats", type=int, default=2)
     ap.add_argument("--gpu-mem", type=float, default=0.35, help="vLLM gpu_memory_utilization / SGLang mem_fraction_static")
     ap.add_argument("--kv-gb", type=float, default=2.0, help="vLLM kv_cache_memory_gb")

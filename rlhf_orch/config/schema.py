@@ -359,6 +359,9 @@ class WeightSyncSection(_Section):
                                     "broadcast collective (default: 60 s + 10 s per GB of weights, i.e. a sync slower "
                                     "than 0.1 GB/s is a hang).")
     mismatch_alarm: float | None = Field(None, gt=0, description="Fail if max |engine - trainer| logprob after a sync exceeds this.")
+    replay_loads: bool = Field(True, description="Engines record, at the first sync, where their loader copies each "
+                               "received tensor, then redo those copies in one fused copy-and-checksum pass per bucket "
+                               "(weight_sync/replay.py); false runs the engine's load_weights at every sync.")
 
 
 class FaultToleranceSection(_Section):

@@ -175,6 +175,11 @@ class HFEngine(EngineLifecycle):
     def checksums(self, names: list[str]) -> list[int]:
         return checksums(self.params[n] for n in names)
 
+    def replay_params(self) -> dict[str, torch.Tensor]:
+        """The parameters a `LoadReplay` writes into in place of `load_weights` (refused while asleep, as it is)."""
+        self._need_weights_awake("load_weights")
+        return self.params
+
     def rng_state(self) -> torch.Tensor:
         """The sampling generator's state, so a resumed run samples exactly as an uninterrupted one."""
         return self._gen.get_state()

@@ -299,8 +299,10 @@ class SGLangEngine(EngineLifecycle):
                       finish_reason=reason, weight_version=self.weight_version, engine=self.name, text=out.get("text") or "")
 
     # ---- weight sync (the actor shell forwards these) --------------------------------------------------
-    def setup_receiver(self, layouts, group: dict | None, rank_offset: int, verify: bool, timeout_s: float) -> float:
-        """Install the hook; with `group`, join it (TP rank k as rank_offset + k) and warm it up. Returns seconds."""
+    def setup_receiver(self, layouts, group: dict | None, rank_offset: int, verify: bool, timeout_s: float,
+                       replay: bool = True) -> float:
+        """Install the hook; with `group`, join it (TP rank k as rank_offset + k) and warm it up. Returns seconds.
+        `replay` does not apply: SGLang loads through its own API."""
         self._need_weights_awake("setup_receiver")
         t0 = time.perf_counter()
         self.report_timeout_s = max(self.report_timeout_s, float(timeout_s))

@@ -142,13 +142,15 @@ class VLLMEngine(EngineLifecycle):
                       finish_reason=reason, weight_version=self.weight_version, engine=self.name, text=c.text)
 
     # ---- weight sync (the actor shell forwards these; receivers live in the vLLM workers) ----------
-    def setup_receiver(self, layouts, group: dict | None, rank_offset: int, verify: bool, timeout_s: float) -> float:
-        """Build a receiver in every worker; with `group`, worker k joins as rank rank_offset + k. Returns seconds."""
+    def setup_receiver(self, layouts, group: dict | None, rank_offset: int, verify: bool, timeout_s: float,
+                       replay: bool = True) -> float:
+        """Build a receiver in every worker; with `group`, worker k joins as rank rank_offset + k. Returns seconds.
+        `replay`: load by replaying the recorded copies after the first sync (vllm_worker.py)."""
         self._need_weights_awake("setup_receiver")
         group = None if group is None else {k: group[k] for k in ("backend", "host", "port", "world_size", "sums")
                                             if k in group}
         secs = self._rpc("rlhf_setup_receiver", pack_arg(list(layouts)), group, int(rank_offset), bool(verify),
-                         float(timeout_s))
+                         float(timeout_s), bool(replay))
         return max(float(s) for s in secs)
 
     def receive_broadcast(self, verify: bool = True) -> tuple[list[int], dict[str, float]]:
@@ -173,6 +175,13 @@ class VLLMEngine(EngineLifecycle):
         self._need_weights_awake("receive_stream")
         (sums, metrics), = self._rpc("rlhf_receive_stream", int(sync_id), bool(verify))
         return [int(x) for x in sums], {k: float(v) for k, v in metrics.items()}
+
+    def set_replay(self, enabled: bool) -> None:
+        self._rpc("rlhf_set_replay", bool(enabled))
+
+    def replay_status(self) -> list[dict]:
+        """Per worker: the buckets loaded by replay and why any others are not (weight_sync/replay.py)."""
+        return self._rpc("rlhf_replay_status")
 
     def abort_stream(self) -> None:
         self._rpc("rlhf_abort_stream")

@@ -6,9 +6,13 @@ so these methods run inside each worker process with the worker as `self`: `self
 Each worker owns one `WeightReceiver`; every tensor-parallel worker is its own rank in our broadcast
 group and receives the full HF tensors, which the model's `load_weights` fuses (qkv, gate_up) and shards.
 
-Checksums are of the tensors *received* (mode "received"), not of the engine's parameters: a fused,
-sharded vLLM parameter has no per-HF-tensor counterpart. They prove the bytes arrived intact; a wrong
-name still fails loudly, because vLLM's AutoWeightsLoader raises on unknown names.
+Loading goes through a `LoadReplay` (weight_sync/replay.py): the first sync runs `model.load_weights` per bucket
+and records where each received tensor's bytes land (vLLM fuses q/k/v and gate/up into one parameter, which is a
+plain copy into a slice of it); later syncs redo those copies with one fused copy-and-checksum kernel per bucket,
+and the checksums are then of the engine's own parameters, per HF tensor. A bucket the recorder cannot map (a
+sharded TP worker holds only part of each tensor) keeps `load_weights`, and its checksums are of the tensors
+*received* (mode "received"). Both prove the bytes arrived intact; a wrong name still fails loudly, because
+vLLM's AutoWeightsLoader raises on unknown names.
 
 Arguments arrive through vLLM's msgpack utility channel, which turns dataclasses into dicts, so the
 engine sends layouts and IPC handles pickled to bytes (see docs/vllm_api_notes.md). This module must
@@ -27,6 +31,7 @@ import torch
 from rlhf_orch.weight_sync.buckets import BucketLayout, TensorSlot, checksums
 from rlhf_orch.weight_sync.ipc import IpcHandle
 from rlhf_orch.weight_sync.receiver import WeightReceiver
+from rlhf_orch.weight_sync.replay import LoadReplay
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +112,7 @@ class WeightSyncWorkerExtension:
         return "received"
 
     def rlhf_setup_receiver(self, layouts: Any, group: dict | None, rank_offset: int, verify: bool,
-                            timeout_s: float) -> float:
+                            timeout_s: float, replay: bool = True) -> float:
         """Build this worker's receiver; join the broadcast group as rank rank_offset + TP rank. Returns seconds."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
@@ -116,8 +121,9 @@ class WeightSyncWorkerExtension:
         st = self._rlhf_state()
         if st["receiver"] is not None:
             st["receiver"].close()
+        params = dict(self._rlhf_model().named_parameters())   # the same Parameter objects for the engine's life
         st["receiver"] = WeightReceiver(_as_layouts(layouts), self.device, self._rlhf_load,
-                                        self._rlhf_checksums_of_received)
+                                        self._rlhf_checksums_of_received, LoadReplay(lambda: params, bool(replay)))
         if group is not None:
             rank = int(rank_offset) + get_tensor_model_parallel_rank()
             st["receiver"].join_group(group["backend"], group["host"], int(group["port"]), rank,
@@ -144,6 +150,13 @@ class WeightSyncWorkerExtension:
         """Every bucket of one sync through the mailbox, each tensor checked against the trainer's checksum."""
         return self._rlhf_receiver().receive_stream(int(sync_id), bool(verify))
 
+    def rlhf_set_replay(self, enabled: bool) -> None:
+        """Switch load replay on or off for later syncs (the benchmark compares both in one run)."""
+        self._rlhf_receiver().set_replay(bool(enabled))
+
+    def rlhf_replay_status(self) -> dict:
+        return self._rlhf_receiver().replay.status()
+
     def rlhf_abort_stream(self) -> None:
         self._rlhf_receiver().abort_stream()
 
@@ -160,7 +173,8 @@ class WeightSyncWorkerExtension:
 
     def rlhf_checksums(self, names: list[str]) -> list[int]:
         """Checksums of the most recently received tensors of `names` (recorded when they were verified)."""
-        sums = self._rlhf_state()["sums"]
+        rec = self._rlhf_state()["receiver"]
+        sums = {**self._rlhf_state()["sums"], **(rec.last_sums if rec is not None else {})}
         missing = [n for n in names if n not in sums]
         if missing:
             raise RuntimeError(f"no received checksum for {missing[:5]} (sync with verify=True first)")

@@ -13,7 +13,9 @@ broadcast receivers with `expect_sums` compare each tensor with the sender's che
 difference, so an engine never resumes generating with weights nobody checked.
 
 The checksums returned are of what the engine holds after loading (its own parameters), not of the
-received bytes: a load that silently skips or mangles a tensor shows up as a mismatch.
+received bytes: a load that silently skips or mangles a tensor shows up as a mismatch. With a `LoadReplay`
+(replay.py), a bucket whose loader is plain copies is loaded by one fused copy-and-checksum pass after its first
+sync, and its checksums are of the engine's parameters even where the engine fuses tensors (vLLM's qkv).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from rlhf_orch.weight_sync.collective import BroadcastGroup
 from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.weight_sync.ipc import HandleCache, IpcHandle, open_handle
 from rlhf_orch.weight_sync.mailbox import SLOTS, Mailbox, seq_of
+from rlhf_orch.weight_sync.replay import LoadReplay
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 ChecksumFn = Callable[[list[str]], list[int]]
@@ -34,11 +37,13 @@ ChecksumFn = Callable[[list[str]], list[int]]
 
 class WeightReceiver:
     def __init__(self, layouts: Sequence[BucketLayout], device: torch.device, load_fn: LoadFn,
-                 checksum_fn: ChecksumFn | None = None):
+                 checksum_fn: ChecksumFn | None = None, replay: LoadReplay | None = None):
         self.layouts = list(layouts)
         self.device = device
         self.load_fn = load_fn
         self.checksum_fn = checksum_fn
+        self.replay = replay
+        self.last_sums: dict[str, int] = {}   # the latest verified checksum of every tensor
         self.group: BroadcastGroup | None = None
         self.expect_sums = False       # broadcast: the sender follows the buckets with its checksums
         self._bufs: list[torch.Tensor] = []
@@ -68,10 +73,19 @@ class WeightReceiver:
         self._bufs = [torch.zeros(n, dtype=torch.uint8, device=self.device) for _ in range(2)]
 
     def _load(self, layout: BucketLayout, buf: torch.Tensor, verify: bool) -> list[int]:
-        self.load_fn(list(unpack(layout, buf)))
-        if verify and self.checksum_fn is not None:
-            return self.checksum_fn(layout.names)
-        return []
+        if self.replay is not None:
+            sums = self.replay.load(layout, buf, self.load_fn)
+        else:
+            self.load_fn(list(unpack(layout, buf)))
+            sums = None
+        if not verify:
+            return []
+        if sums is None:
+            if self.checksum_fn is None:
+                return []
+            sums = self.checksum_fn(layout.names)
+        self.last_sums.update(zip(layout.names, sums))
+        return sums
 
     def receive_broadcast(self, verify: bool = True) -> tuple[list[int], dict[str, float]]:
         if self.group is None:
@@ -118,6 +132,11 @@ class WeightReceiver:
         self.mailbox = Mailbox.create(self._firsts[-1])
         self.timeout_s = float(timeout_s)
         return self.mailbox.handle()
+
+    def set_replay(self, enabled: bool) -> None:
+        """Switch load replay on or off for later syncs (the benchmark compares both in one run)."""
+        if self.replay is not None:
+            self.replay.enabled = bool(enabled)
 
     def abort_stream(self) -> None:
         """Tell the sender this sync will not be taken (it stops waiting at once)."""

@@ -27,8 +27,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from rlhf_orch.errors import WeightSyncError
-from rlhf_orch.weight_sync.buckets import BucketLayout, bucket_checksums, max_bucket_bytes, slot_view
+from rlhf_orch.weight_sync.buckets import BucketLayout, checksums, max_bucket_bytes, slot_view
 from rlhf_orch.weight_sync.collective import BroadcastGroup
+from rlhf_orch.weight_sync.copysum import CopyPlan, Run
 from rlhf_orch.weight_sync.ipc import IpcHandle, allocate_shared, export_handle
 from rlhf_orch.weight_sync.mailbox import SLOTS, Mailbox, seq_of
 
@@ -58,6 +59,7 @@ class WeightSender:
         self.bcast_sums = bool(bcast_sums and verify and group is not None)
         self.timeout_s = float(timeout_s)
         self.mailboxes: dict[str, Mailbox] = {}   # stream engines (attach_mailbox); the rest get calls
+        self._plans: dict[tuple, CopyPlan] = {}   # pack-and-checksum plans by (bucket, buffer, tensor addresses)
         self.active = bool(self.ipc_engines) or group is not None
         self._bufs: list[tuple[str, torch.Tensor]] = []
         self._handles = []
@@ -77,9 +79,38 @@ class WeightSender:
             raise ValueError(f"{engine} is not an ipc engine of this rank")
         self.mailboxes[engine] = Mailbox.attach(handle)
 
+    def _pack_and_sum(self, layout: BucketLayout, slot: int, buf: torch.Tensor, dsts: list, srcs: list) -> list[int]:
+        """Pack one bucket and checksum every tensor in the same pass (copysum.py). Tensors that must change dtype
+        on the way are copied by torch and checksummed from the bucket. The plan is cached by the tensors'
+        addresses: parameters that stay put (ZeRO-1/2) reuse it at every sync."""
+        same = [i for i, (d, t) in enumerate(zip(dsts, srcs)) if d.dtype == t.dtype and t.is_contiguous()]
+        key = (layout.index, slot, tuple(srcs[i].data_ptr() for i in same))
+        plan = self._plans.get(key)
+        if plan is None:
+            runs = [Run(srcs[i].reshape(-1).view(torch.uint8), dsts[i].reshape(-1).view(torch.uint8), i) for i in same]
+            plan = CopyPlan(runs, len(layout.slots), self.device)
+            if plan.cacheable:
+                self._plans = {k: v for k, v in self._plans.items() if k[:2] != key[:2]}
+                self._plans[key] = plan
+        rest = sorted(set(range(len(srcs))) - set(same))
+        if rest:
+            torch._foreach_copy_([dsts[i] for i in rest], [srcs[i] for i in rest], non_blocking=True)
+        sums = plan.run()
+        if rest:
+            for i, s in zip(rest, checksums(dsts[i] for i in rest)):
+                sums[i] = s
+        return sums
+
     def _sync_device(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _check(self, slot, name: str, t: torch.Tensor) -> None:
+        if name != slot.name:
+            raise WeightSyncError(f"trainer yielded {name!r} where the layout expects {slot.name!r}; "
+                                  "parameter order changed since the plan was made")
+        if tuple(t.shape) != slot.shape:
+            raise WeightSyncError(f"{name}: shape {tuple(t.shape)} does not match the layout's {slot.shape}")
 
     def send(self, named: Iterator[tuple[str, torch.Tensor]], version: int,
              deliver: Deliver | None = None, wait: Wait | None = None, sync_id: int = 0) -> SendResult:
@@ -124,21 +155,18 @@ class WeightSender:
                     name, t = next(it)
                 except StopIteration:
                     raise WeightSyncError(f"trainer yielded fewer tensors than the layout expects (missing {s.name})") from None
-                if name != s.name:
-                    raise WeightSyncError(f"trainer yielded {name!r} where the layout expects {s.name!r}; "
-                                          "parameter order changed since the plan was made")
-                if tuple(t.shape) != s.shape:
-                    raise WeightSyncError(f"{name}: shape {tuple(t.shape)} does not match the layout's {s.shape}")
+                self._check(s, name, t)
                 dsts.append(slot_view(buf, s))
                 srcs.append(t)
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            del srcs
             sums: list[int] = []
             if self.verify:
-                sums = bucket_checksums(layout, buf)   # its host read also waits for the copies
+                sums = self._pack_and_sum(layout, slot, buf, dsts, srcs)   # its host read also waits for the copies
                 res.checksums.extend(sums)
-            elif self.ipc_engines:
-                self._sync_device()   # another process reads this buffer: the copies must be done first
+            else:
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                if self.ipc_engines:
+                    self._sync_device()   # another process reads this buffer: the copies must be done first
+            del srcs
             res.pack_s += time.perf_counter() - t0
             res.bytes += layout.nbytes
             if self.group is not None:

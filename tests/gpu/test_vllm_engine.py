@@ -107,3 +107,61 @@ def test_sync_into_vllm(engine, dirs, placement):
     engine.finish_sync(version)
     engine.resume()
     _check_logprobs(engine, target, version)
+
+
+def _stream_sync(engine, sender, weights, version, sync_id):
+    res = {}
+    t = threading.Thread(target=lambda: res.update(r=sender.send(iter(weights), version, sync_id=sync_id)))
+    t.start()
+    got, timings = engine.receive_stream(sync_id, True)
+    t.join(120)
+    assert got == res["r"].checksums
+    engine.finish_sync(version)
+    return res["r"]
+
+
+def _flat(weights, dev):
+    """The trainer's tensors as views of one flat buffer (as DeepSpeed ZeRO-1/2 keeps them), values copied in."""
+    sizes = [(t.numel() * t.element_size() + 255) // 256 * 256 for _, t in weights]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
+    out, off = [], 0
+    for (n, t), size in zip(weights, sizes):
+        v = flat[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        out.append((n, v))
+        off += size
+    return out
+
+
+def test_replayed_syncs_into_vllm_follow_the_weights_and_survive_sleep(engine, dirs):
+    """Load replay (weight_sync/replay.py): the first sync records where vLLM's load_weights puts every tensor
+    (q/k/v and gate/up into fused parameters), later ones redo it with the fused copy-and-checksum kernel. The
+    engine must then serve each new model's logprobs exactly, also after a level-2 sleep."""
+    from rlhf_orch.types import ParamSpec, dtype_name
+    from rlhf_orch.weight_sync import WeightSender, plan_buckets
+    dev = torch.device("cuda", 0)
+    ws = [[(n, t.to(dev)) for n, t in named_weights(d, torch.bfloat16)] for d in dirs]
+    layouts = plan_buckets([ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in ws[0]], 64 * 1024)
+    trainer = _flat(ws[0], dev)       # the trainer's own tensors: they stay put, their values change
+    engine.pause()
+    engine.setup_receiver(layouts, None, 0, True, 120)
+    sender = WeightSender(layouts, dev, ["v"], timeout_s=120)
+    sender.attach_mailbox("v", engine.connect_stream(sender.buffer_handles(), 120))
+
+    def sync(k, version, sync_id):
+        torch._foreach_copy_([t for _, t in trainer], [t for _, t in ws[k % 2]])
+        engine.pause()
+        return _stream_sync(engine, sender, trainer, version, sync_id)
+
+    for k in range(4):   # the weights alternate, so a replay that did nothing would show
+        sync(k, 20 + k, 100 + k)
+        engine.resume()
+        _check_logprobs(engine, dirs[k % 2], 20 + k)
+    (status,) = engine.replay_status()
+    assert status["replayed"] == list(range(len(layouts))) and not status["loader"], status
+    assert status["fused_kernel"], status
+    engine.sleep(2)
+    engine.wake_up(["weights"])
+    sync(1, 30, 200)
+    engine.resume()
+    engine.wake_up(["kv_cache"])
+    _check_logprobs(engine, dirs[1], 30)

@@ -1,0 +1,132 @@
+"""Copy many byte ranges and checksum them in one pass: the bulk step of a sync on both of its sides.
+
+A sync moves every tensor twice on a colocated GPU (trainer parameters -> bucket, bucket -> engine parameters)
+and checksums it on each side. Done as a copy launch plus a reduction per tensor, the checksums read every byte a
+second time and cost a launch each (an 8B model: ~300 tensors, a 30B-A3B MoE: ~19,000). Here a `CopyPlan` is a
+list of runs (source address, destination address, bytes, slot), and `run()` copies every run and adds each
+run's int64 words into its slot's checksum, reading each byte once:
+
+- on CUDA with Triton (the GPU machines: vLLM and SGLang both need it), one kernel launch for the whole plan:
+  each program copies one chunk of at most `CHUNK_WORDS` words and adds its sum to the slot with one integer
+  atomic, so the result is exact and independent of the order (sums are mod 2**64, as in buckets.py);
+- elsewhere (CPU, no Triton), `torch._foreach_copy_` plus one `buckets._word_sum` per run: the same numbers.
+
+A run's checksum is the word sum of buckets.py, so the slot sums equal `checksums()` of the tensors when each run
+starts at a multiple of 8 bytes within its slot (runs are additive over such splits). Runs whose addresses or
+length are not multiples of 8 bytes take the torch path. This module knows nothing of engines, Ray or layouts.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_orch.weight_sync.buckets import _word_sum
+
+logger = logging.getLogger(__name__)
+
+CHUNK_WORDS = 1 << 16        # 512 KiB per program: enough work per program, enough programs for a small bucket
+_BLOCK = 2048                # words per loop step of a program
+_WARPS = 8
+
+_kernel = None               # the compiled Triton kernel, or False when Triton cannot be used here
+
+
+def _triton_kernel():
+    global _kernel
+    if _kernel is not None:
+        return _kernel or None
+    if os.environ.get("RLHF_ORCH_COPYSUM", "auto") == "torch":
+        _kernel = False
+        return None
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:   # no Triton (CPU machines): the torch path does the same work
+        _kernel = False
+        return None
+
+    @triton.jit
+    def copy_sum(desc, sums, COPY: tl.constexpr, BLOCK: tl.constexpr):
+        # desc rows: source address, destination address, words, slot (int64). Addresses are 8-byte aligned.
+        row = desc + tl.program_id(0) * 4
+        src = tl.load(row).to(tl.pointer_type(tl.int64))
+        dst = tl.load(row + 1).to(tl.pointer_type(tl.int64))
+        n = tl.load(row + 2)
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        for start in range(0, n, BLOCK):
+            idx = start + tl.arange(0, BLOCK)
+            m = idx < n
+            if COPY:
+                w = tl.load(src + idx, mask=m, other=0)
+                tl.store(dst + idx, w, mask=m)
+            else:
+                w = tl.load(dst + idx, mask=m, other=0)
+            acc += w
+        tl.atomic_add(sums + tl.load(row + 3), tl.sum(acc, axis=0))
+
+    _kernel = copy_sum
+    return _kernel
+
+
+def triton_available(device: torch.device) -> bool:
+    return device.type == "cuda" and _triton_kernel() is not None
+
+
+@dataclass(frozen=True)
+class Run:
+    """`nbytes` bytes from `src` to `dst` (both uint8 tensors of exactly that many bytes), counted into `slot`."""
+    src: torch.Tensor
+    dst: torch.Tensor
+    slot: int
+
+
+def _addr_ok(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 8 == 0 and t.numel() % 8 == 0 and t.is_contiguous()
+
+
+class CopyPlan:
+    """A fixed list of runs; `run()` may be called many times while the memory stays where it was.
+
+    Runs that the kernel takes are kept as addresses only, so a cached plan does not keep an engine's weights
+    alive while it sleeps: the caller must not run it once that memory may have moved (replay.py keys its cached
+    plans by the parameters' addresses). Runs on the torch path keep their views (`cacheable` is then False).
+    """
+
+    def __init__(self, runs: list[Run], n_slots: int, device: torch.device):
+        self.n_slots = n_slots
+        self.device = device
+        self.nbytes = sum(r.src.numel() for r in runs)
+        use_kernel = triton_available(device)
+        fast = [r for r in runs if use_kernel and _addr_ok(r.src) and _addr_ok(r.dst)]
+        fast_ids = {id(r) for r in fast}
+        self.slow = [r for r in runs if id(r) not in fast_ids]
+        self.desc = None
+        self.kernel = _triton_kernel() if fast else None   # kept: a plan runs as it was built
+        self.kernel_runs = len(fast)
+        if fast:
+            rows = []
+            for r in fast:
+                s, d, words = r.src.data_ptr(), r.dst.data_ptr(), r.src.numel() // 8
+                for off in range(0, words, CHUNK_WORDS):
+                    rows.append((s + 8 * off, d + 8 * off, min(CHUNK_WORDS, words - off), r.slot))
+            self.desc = torch.tensor(rows, dtype=torch.int64).to(device)
+
+    @property
+    def cacheable(self) -> bool:
+        return not self.slow
+
+    def run(self, copy: bool = True) -> list[int]:
+        """Copy every run (unless `copy` is False: checksum the destinations only) and return the slot sums."""
+        sums = torch.zeros(self.n_slots, dtype=torch.int64, device=self.device)
+        if self.desc is not None:
+            self.kernel[(self.desc.shape[0],)](self.desc, sums, COPY=copy, BLOCK=_BLOCK, num_warps=_WARPS)
+        if self.slow:
+            if copy:
+                torch._foreach_copy_([r.dst for r in self.slow], [r.src for r in self.slow], non_blocking=True)
+            parts = torch.stack([_word_sum(r.dst) for r in self.slow])
+            index = torch.tensor([r.slot for r in self.slow], device=self.device)
+            sums.index_add_(0, index, parts)
+        return sums.tolist()   # the host read waits for the copies too

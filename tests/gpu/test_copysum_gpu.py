@@ -1,0 +1,45 @@
+"""The fused copy-and-checksum kernel (weight_sync/copysum.py) against the torch path, on a GPU with Triton.
+
+    python -m pytest -q -m gpu tests/gpu/test_copysum_gpu.py
+"""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a GPU", allow_module_level=True)
+pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_equals_the_torch_path_on_random_bytes(seed, monkeypatch):
+    from rlhf_orch.weight_sync import copysum
+    from rlhf_orch.weight_sync.buckets import checksums
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    # Sizes around a chunk boundary, tiny ones, and ones that are not whole words (those take the torch path).
+    sizes = [8, 16, 4096, copysum.CHUNK_WORDS * 8, copysum.CHUNK_WORDS * 8 + 8, 3 * copysum.CHUNK_WORDS * 8 + 24, 6, 130]
+    srcs = [torch.randint(0, 256, (n,), generator=g, device=dev, dtype=torch.uint8) for n in sizes]
+    slots = [0, 1, 1, 2, 3, 4, 5, 6]   # two runs share slot 1
+    want = {}
+    for s, k in zip(srcs, slots):
+        want.setdefault(k, []).append(s)
+
+    def run(copy_dsts):
+        plan = copysum.CopyPlan([copysum.Run(s, d, k) for s, d, k in zip(srcs, copy_dsts, slots)], 7, dev)
+        return plan, plan.run()
+
+    dsts = [torch.full_like(s, 7) for s in srcs]
+    plan, sums = run(dsts)
+    assert plan.kernel_runs == 6 and len(plan.slow) == 2
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    ref = [sum(checksums(want[k])) for k in range(7)]
+    wrap = lambda v: (v + 2**63) % 2**64 - 2**63   # noqa: E731  (slot 1: two tensors' sums added mod 2**64)
+    assert sums == [wrap(v) for v in ref]
+    monkeypatch.setenv("RLHF_ORCH_COPYSUM", "torch")
+    monkeypatch.setattr(copysum, "_kernel", None)
+    dsts2 = [torch.full_like(s, 7) for s in srcs]
+    plan2, sums2 = run(dsts2)
+    assert plan2.kernel_runs == 0 and sums2 == sums
+    dsts[3][5] ^= 1
+    assert plan.run(copy=False) != sums   # checksum of the destinations: the flipped bit shows
