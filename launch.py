@@ -224,10 +224,16 @@ def main(argv=None) -> int:
         for line in str(e).splitlines():
             sys.stderr.write(f"error: {line}\n")
         return 2
-    from rlhf_orch.run_dir import RunLock
+    from rlhf_orch.run_dir import RunLock, claim_run_dir
     try:   # one live run per run folder; held across in-process restarts, dropped by the kernel if we are killed
         lock = RunLock(run_dir, cfg.experiment.name).acquire()
     except RLHFOrchError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    try:   # under the lock: a fresh run never writes over an earlier run's outputs (refused, or experiment.overwrite)
+        claim_run_dir(run_dir, cfg.resume, cfg.experiment.overwrite)
+    except RLHFOrchError as e:
+        lock.release()
         sys.stderr.write(f"error: {e}\n")
         return 2
     try:

@@ -26,7 +26,7 @@ case "${1:-tests}" in
     for item in "$@"; do   # NAME:GPUS[:override,override...]
       IFS=: read -r c gpus ovr <<< "$item"; i=$((i + 1)); log="$OUT/$c.$i.log"
       ( CUDA_VISIBLE_DEVICES=$gpus RLHF_ORCH_LOG_LEVEL=INFO timeout -k 20 "${CONFIG_TIMEOUT:-540}" python3 launch.py \
-          --config "configs/$c.yaml" experiment.output_dir=/tmp/runs ${ovr//,/ } > "$log" 2>&1
+          --config "configs/$c.yaml" experiment.output_dir=/tmp/runs experiment.overwrite=true ${ovr//,/ } > "$log" 2>&1
         echo "== $c ${ovr} (GPUs $gpus): exit $?" >> "$log" ) &
     done
     wait

@@ -11,6 +11,11 @@ it). The kernel drops it when the owner dies, SIGKILL included, so a killed driv
 next run (`resume=true`) takes it over with a warning naming the old owner. A second live run of the same
 experiment.name and output_dir fails before Ray starts. The file holds the owner's host, pid and start time, for
 the messages only. Does not decide whether a run resumes or starts fresh (launch.py / the config do).
+
+`claim_run_dir`: every run gets its own folder. A fresh run (resume=false) in a folder that already holds an earlier
+run's outputs (finished, stopped, failed or killed) is refused before Ray starts, naming the folder and the fixes;
+`experiment.overwrite=true` deletes those outputs first instead. resume=true continues the run in the folder.
+Called with the lock held, so no other run can write there in between.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -161,3 +167,46 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def earlier_outputs(run_dir: str | Path) -> list[str]:
+    """Names of what an earlier run left in `run_dir` (everything but the lock file), sorted; [] for no folder."""
+    try:
+        return sorted(p.name for p in Path(run_dir).iterdir() if p.name != LOCK_NAME)
+    except FileNotFoundError:
+        return []
+
+
+def _earlier_status(run_dir: Path) -> str:
+    """'a finished run', 'a stopped run', ... from its summary.json; 'an earlier run' when there is none."""
+    status = _owner(run_dir / "summary.json").get("status")   # the same tolerant JSON read as the lock's record
+    return f"a {status} run" if isinstance(status, str) and status else "an earlier run"
+
+
+def claim_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> list[str]:
+    """Make `run_dir` this run's own before anything is written there; returns the names it deleted (overwrite).
+    resume=true: nothing changes (the run continues what is there). resume=false: an empty folder is used as it is;
+    one holding an earlier run's outputs raises ConfigError, unless `overwrite`, which deletes them (the lock stays)."""
+    run_dir = Path(run_dir)
+    if resume:
+        if overwrite:
+            raise ConfigError("experiment.overwrite: true deletes the run folder's outputs, resume=true continues from "
+                              "them; set one of them (resume=true keeps the earlier run)")
+        return []
+    found = earlier_outputs(run_dir)
+    if not found:
+        return []
+    if not overwrite:
+        shown = ", ".join(found[:6]) + (", ..." if len(found) > 6 else "")
+        raise ConfigError(
+            f"experiment.name: run folder {run_dir} already holds the outputs of {_earlier_status(run_dir)} ({shown}); "
+            f"a fresh run (resume=false) would overwrite them. Use another experiment.name (or experiment.output_dir), "
+            f"set resume=true to continue that run, or set experiment.overwrite=true (or delete the folder) to replace it")
+    for name in found:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    logger.warning("experiment.overwrite=true: deleted the earlier run's outputs in %s (%s)", run_dir, ", ".join(found))
+    return found

@@ -29,6 +29,8 @@ class ExperimentSection(_Section):
     seed: int = Field(0, description="Seeds Python, torch and the data order on every actor.")
     steps: int = Field(100, ge=1, description="RL steps (each: generate -> score -> train -> sync).")
     log_samples_every: int = Field(25, ge=0, description="Log one decoded sample every N steps (0: never).")
+    overwrite: bool = Field(False, description="A fresh run (resume=false) whose folder holds an earlier run's outputs "
+                            "deletes them first; without it such a run is refused before Ray starts.")
 
     @field_validator("name")
     @classmethod

@@ -142,6 +142,45 @@ def test_eval_prompts_from_the_validation_split_of_a_folder():
         assert p.token_ids == build_tokenizer()(p.row["prompt"], add_special_tokens=False).input_ids
 
 
+def _gsm8k_rows(split: str, answers: list[int]) -> list[dict]:
+    """verl's GSM8K layout (examples/make_gsm8k_parquet.py), one row per answer, marked with its split."""
+    return [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"ann has {a} pens. how many?"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a)},
+             "extra_info": {"split": split, "index": i}} for i, a in enumerate(answers)]
+
+
+def test_eval_source_file_or_folder_with_split_is_exactly_what_is_scored(tmp_path):
+    """eval.source given as a parquet folder with eval.split, and as one JSONL file: the evaluation prompts are that
+    split's rows, all of them in file order, rendered with the data section's keys and chat template; the engines get
+    their token ids and the reward workers their rows (actors/evaluation.py: `(text, es.prompts[i].row)`)."""
+    import json
+
+    from rlhf_orch.rewards.scorer import RewardScorer
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("math_verify")
+    splits = {"train": [1, 2, 3, 4], "validation": [11, 12, 13], "test": [21, 22, 23, 24, 25]}
+    folder = tmp_path / "held_out"
+    folder.mkdir()
+    for split, answers in splits.items():
+        datasets.Dataset.from_list(_gsm8k_rows(split, answers)).to_parquet(str(folder / f"{split}.parquet"))
+    one = tmp_path / "held_out.jsonl"
+    one.write_text("".join(json.dumps(r) + "\n" for r in _gsm8k_rows("test", splits["test"])))
+    tok, want = build_tokenizer(), _gsm8k_rows("test", splits["test"])
+    scorer = RewardScorer("rlhf_orch.rewards.math:gsm8k")   # configs/gsm8k_cpu.yaml's reward
+    for source, label in ((folder, f"{folder} (split test)"), (one, str(one))):
+        # validation comes first in the default order: eval.split=test must be what is read
+        es = eval_set_for(_eval_cfg("eval.every=5", f"eval.source={source}", "eval.split=test", config=GSM8K), tok)
+        assert es.source == label and [p.index for p in es.prompts] == list(range(5))
+        rendered = [f"user: ann has {a} pens. how many? assistant:" for a in splits["test"]]
+        assert [p.row["prompt"] for p in es.prompts] == rendered
+        assert [p.token_ids for p in es.prompts] == tok(rendered, add_special_tokens=False).input_ids
+        for p, row in zip(es.prompts, want):
+            assert p.row == {**row, "prompt": p.row["prompt"], "answer": row["reward_model"]["ground_truth"]}
+        # what the reward workers get for the evaluation's samples: right answers score 1, another split's 0
+        assert scorer.score([(f"#### {a}", p.row) for a, p in zip(splits["test"], es.prompts)]) == [1.0] * 5
+        assert scorer.score([(f"#### {a}", p.row) for a, p in zip(splits["validation"], es.prompts)]) == [0.0] * 3
+
+
 def test_eval_source_problems_name_the_field(tmp_path):
     tok = build_tokenizer()
     with pytest.raises(ConfigError) as e:

@@ -129,3 +129,94 @@ def test_launch_refuses_a_second_live_run_of_the_same_name_before_ray(tmp_path, 
     assert rc == 2 and len(err) == 1 and f"pid {os.getpid()}" in err[0] and "experiment.name" in err[0]
     assert not ray.is_initialized(), "no actor may start while another run holds the folder"
     assert not (tmp_path / "twin" / "metrics.jsonl").exists()
+
+
+def _earlier_run(run_dir: Path, status: str = "finished") -> dict:
+    """A finished (or stopped) run's outputs, as launch.py leaves them; {relative path: bytes} to compare later."""
+    (run_dir / "plots").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step2").mkdir(parents=True)
+    files = {"metrics.jsonl": b'{"step": 1}\n{"step": 2}\n', "summary.json": json.dumps({"status": status}).encode(),
+             "plots/reward.png": b"png", "checkpoints/step2/rl_state.json": b"{}", LOCK_NAME: b""}
+    for rel, data in files.items():
+        (run_dir / rel).write_bytes(data)
+    return files
+
+
+def _contents(run_dir: Path) -> dict:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+
+def test_fresh_run_in_a_folder_with_an_earlier_runs_outputs_is_refused_and_nothing_changes(tmp_path):
+    from rlhf_orch.run_dir import claim_run_dir, earlier_outputs
+    assert claim_run_dir(tmp_path / "missing", resume=False, overwrite=False) == []   # a new folder
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / LOCK_NAME).write_text("")                                   # only the lock: not an output
+    assert earlier_outputs(tmp_path / "empty") == [] and claim_run_dir(tmp_path / "empty", False, False) == []
+    run_dir = tmp_path / "exp"
+    files = _earlier_run(run_dir, "stopped")
+    with pytest.raises(ConfigError) as e:
+        claim_run_dir(run_dir, resume=False, overwrite=False)
+    msg = str(e.value)
+    assert "\n" not in msg and str(run_dir) in msg and "a stopped run" in msg and "metrics.jsonl" in msg
+    for fix in ("experiment.name", "resume=true", "experiment.overwrite=true", "delete the folder"):
+        assert fix in msg, fix
+    assert _contents(run_dir) == files
+    assert claim_run_dir(run_dir, resume=True, overwrite=False) == []                 # resume: continues what is there
+    assert _contents(run_dir) == files
+
+
+def test_overwrite_deletes_the_earlier_outputs_but_not_the_held_lock_and_contradicts_resume(tmp_path, caplog):
+    from rlhf_orch.run_dir import claim_run_dir
+    run_dir = tmp_path / "exp"
+    _earlier_run(run_dir)
+    (tmp_path / "elsewhere").mkdir()
+    (run_dir / "link").symlink_to(tmp_path / "elsewhere")        # a link is removed, never what it points at
+    with RunLock(run_dir, "exp"), caplog.at_level(logging.WARNING, logger="rlhf_orch.run_dir"):
+        deleted = claim_run_dir(run_dir, resume=False, overwrite=True)
+        assert deleted == ["checkpoints", "link", "metrics.jsonl", "plots", "summary.json"]
+        assert [p.name for p in run_dir.iterdir()] == [LOCK_NAME]
+        assert json.loads((run_dir / LOCK_NAME).read_text())["pid"] == os.getpid()   # still ours
+    assert "experiment.overwrite=true" in caplog.text and str(run_dir) in caplog.text
+    assert (tmp_path / "elsewhere").is_dir()
+    with pytest.raises(ConfigError, match="experiment.overwrite.*resume=true"):
+        claim_run_dir(run_dir, resume=True, overwrite=True)
+
+
+def _launch(tmp_path, *overrides):
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    import launch
+    return launch, lambda: launch.main(["--config", str(root / "configs/tiny_cpu.yaml"),
+                                        f"experiment.output_dir={tmp_path}", "experiment.name=again", *overrides])
+
+
+def test_launch_refuses_a_fresh_run_over_a_finished_one_before_ray(tmp_path, capsys):
+    import ray
+    run_dir = tmp_path / "again"
+    files = _earlier_run(run_dir)
+    _, main = _launch(tmp_path)
+    rc = main()
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    assert rc == 2 and len(err) == 1, err
+    assert str(run_dir) in err[0] and "a finished run" in err[0] and "resume=true" in err[0]
+    assert "experiment.overwrite=true" in err[0]
+    assert not ray.is_initialized(), "no actor may start over an earlier run's outputs"
+    assert _contents(run_dir) == files                           # metrics, summary, plots, checkpoints untouched
+    RunLock(run_dir, "again").acquire().release()                # the refused run let the folder go
+
+
+def test_launch_with_overwrite_or_resume_reaches_the_run_with_the_folder_as_promised(tmp_path, monkeypatch):
+    """The run itself stubbed: overwrite=true starts it in an emptied folder, resume=true with everything in place."""
+    run_dir = tmp_path / "again"
+    files = _earlier_run(run_dir)
+    launch, _ = _launch(tmp_path)
+    seen = []
+    monkeypatch.setattr(launch, "_supervise", lambda cfg, rd, *a: seen.append((cfg.resume, _contents(rd))) or 0)
+    assert _launch(tmp_path, "resume=true")[1]() == 0
+    resume, contents = seen.pop()
+    assert resume and {k: v for k, v in contents.items() if k != LOCK_NAME} == \
+        {k: v for k, v in files.items() if k != LOCK_NAME}
+    assert _launch(tmp_path, "experiment.overwrite=true")[1]() == 0
+    resume, contents = seen.pop()
+    assert not resume and list(contents) == [LOCK_NAME]          # only this run's lock: the earlier outputs are gone
+    assert [p.name for p in run_dir.iterdir()] == [LOCK_NAME]
