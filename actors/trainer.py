@@ -180,13 +180,15 @@ class TrainerActor:
 
 
 def _average(results: list[dict]) -> dict[str, float]:
-    """Per-rank metrics -> one: max for *_max, sums for *_sum, token counts and tokens/s (ranks run at the
-    same time), means for the rest; the ranks' `train/seq_tokens` also give `train/rank_imbalance`."""
+    """Per-rank metrics -> one: max for *_max, min for *_min, sums for *_sum, token counts and tokens/s (ranks run
+    at the same time), means for the rest; the ranks' `train/seq_tokens` also give `train/rank_imbalance`."""
     out: dict[str, float] = {}
     for key in results[0]:
         vals = [r[key] for r in results]
         if key.endswith("_max"):
             out[key] = max(vals)
+        elif key.endswith("_min"):
+            out[key] = min(vals)
         elif key.endswith("_sum") or key.endswith("tokens") or key.endswith("tokens_per_s"):
             out[key] = sum(vals)
         else:

@@ -5,7 +5,9 @@ and answers three questions:
 
 - `roles`: the models it needs besides the policy: "reference" (a frozen copy for KL in the loss, when
   kl_coef > 0) and "critic" (a value model, PPO). The builder starts what is listed; nothing else asks
-  which algorithm runs.
+  which algorithm runs. Before any actor starts, config/checks.role_problems refuses a listed role that
+  cannot work as configured (a critic.model_path that is not a causal LM folder, a separate reference
+  with more workers than shards), and reward_source_problems a run without a reward that counts.
 - `outcome_advantages(rewards, group_ids)`: one advantage per sample from outcome rewards, computed where
   the step's batch is assembled (the rollout manager). Algorithms whose advantages need a critic return
   zeros here and set `token_advantages` (called on the trainer ranks, where the values are).

@@ -99,8 +99,10 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
                    -clip_ratio_c * A is strictly smaller than the clipped loss (the dual clip
                    decides the loss); 0 when clip_ratio_c is None;
       ratio_mean, ratio_max;
-      approx_kl  - mean k3 estimate of KL(old || new): ratio - 1 - log(ratio), always >= 0.
-                   (verl's ppo_kl is the k1 mean, mean(old - new), and is not reported here.)
+      approx_kl  - mean k3 estimate of KL(old || new): ratio - 1 - log(ratio), always >= 0;
+      ppo_kl     - verl's ppo_kl: the k1 mean over response tokens of old - new, i.e.
+                   masked_mean(-negative_approx_kl) with negative_approx_kl = the clamped log-ratio
+                   (can be negative).
     """
     if clip_eps_high is None:
         clip_eps_high = clip_eps_low
@@ -141,6 +143,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
             "ratio_mean": masked_mean(ratio, mask).item(),
             "ratio_max": ratio[on].max().item() if bool(on.any()) else 0.0,
             "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask).item(),
+            "ppo_kl": masked_mean(-log_ratio, mask).item(),
             "pg_clipfrac": clip_frac,
             "pg_clipfrac_lower": (masked_mean(torch.broadcast_to(dual, mask.shape).float(), mask).item()
                                   if dual is not None else 0.0),
@@ -418,6 +421,25 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor, allreduce=
     var_r = whiten_mean_var(*stats[:3])[1]
     var_d = whiten_mean_var(*stats[3:])[1]
     return float(1.0 - var_d / (var_r + 1e-5))
+
+
+def masked_extrema(x: Tensor, mask: Tensor, reduce_max=None) -> tuple[float, float]:
+    """(max, min) of x over the mask tokens, as python floats (verl's critic/values_max, returns_min, ...).
+
+    Shapes: x, mask [B, T] (or any broadcastable pair). `reduce_max`, when given, takes the elementwise max of
+    a small float64 tensor over the data-parallel ranks, so the result is the whole batch's however it is
+    split (the min travels as the max of -x); a rank without mask tokens contributes -inf there, which any
+    other rank's value beats. No mask token anywhere gives (0.0, 0.0), as masked_mean gives 0.
+    """
+    on = torch.broadcast_to(mask != 0, torch.broadcast_shapes(x.shape, mask.shape))
+    vals = torch.broadcast_to(x, on.shape)[on].detach().double()
+    t = (torch.stack([vals.max(), -vals.min()]) if vals.numel()
+         else torch.full((2,), float("-inf"), dtype=torch.float64))
+    if reduce_max is not None:
+        t = reduce_max(t)
+    if not bool(torch.isfinite(t).all()):
+        return 0.0, 0.0
+    return float(t[0]), float(-t[1])
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

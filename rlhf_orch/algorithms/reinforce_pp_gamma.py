@@ -24,7 +24,12 @@ class ReinforcePP(Algorithm):
 
     def token_advantages(self, rewards, values, mask, allreduce):
         from rlhf_orch.algorithms.advantages import discounted_returns, whiten_over_ranks
+        from rlhf_orch.algorithms.losses import masked_extrema
         # advantages.reinforce_pp_returns on one batch; here the whitening statistics are the whole step's.
         returns = discounted_returns(token_rewards(rewards, mask), mask, float(self.s.get("gamma", 1.0)))
         adv, mean, _ = whiten_over_ranks(returns, mask, allreduce)
-        return adv, returns, {"reinforce_pp/returns_mean": float(mean)}
+        # Max and min over every rank's response tokens when the caller's reducer has a max (the trainer's does:
+        # token_step._RankReduce); a plain summing function gives this shard's.
+        hi, lo = masked_extrema(returns, mask, getattr(allreduce, "max", None))
+        return adv, returns, {"reinforce_pp/returns_mean": float(mean), "reinforce_pp/returns_max": hi,
+                              "reinforce_pp/returns_min": lo}

@@ -51,6 +51,7 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
                      "KL penalty has nowhere to go; use algorithm.kl_coef (KL in the loss), or algorithm.name: ppo / "
                      "reinforce_pp_gamma")
         p.extend(algorithm_option_problems(cfg, algo))
+        p.extend(role_problems(cfg, algo))
         if cfg.reference.model_fields_set and "reference" not in algo.roles:
             p.append(f"reference.{sorted(cfg.reference.model_fields_set)[0]}: {algo.name} as configured has no KL "
                      "reference (algorithm.kl_coef is 0 and use_kl_in_reward is false); remove the reference section or "
@@ -58,6 +59,7 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
         if algo.needs_critic and cfg.trainer.offload:
             p.append(f"trainer.offload: {algo.name}'s critic does not offload yet, so it cannot hand its GPU to colocated "
                      "engines; set trainer.offload: false (and sleep_level: 0) or use a critic-free algorithm")
+    p.extend(reward_source_problems(cfg))
     colocated = sum(e.count for e in cfg.engines if e.placement == "colocated")
     if colocated > cfg.trainer.num_ranks:
         p.append(f"engines: {colocated} colocated engines but trainer.num_ranks is {cfg.trainer.num_ranks}; "
@@ -142,6 +144,94 @@ def algorithm_option_problems(cfg: ExperimentConfig, algo) -> list[str]:
         p.append(f"critic.{sorted(cfg.critic.model_fields_set)[0]}: the critic section ({fields}) applies to critic-based "
                  f"algorithms (ppo) and {a.name} has no critic; remove it or set algorithm.name: ppo")
     return p
+
+
+def role_problems(cfg: ExperimentConfig, algo) -> list[str]:
+    """Every model the algorithm needs (`algo.roles`) must be usable as configured: checked here, not when its actor
+    loads it after Ray started. (The reward source every algorithm needs: reward_source_problems.)"""
+    p: list[str] = []
+    if "critic" in algo.roles and cfg.critic.model_path is not None:
+        problem = causal_lm_problem(cfg.critic.model_path, policy_vocab_size(cfg))
+        if problem:
+            p.append(f"critic.model_path: {problem}")
+    if "reference" in algo.roles:
+        ref = cfg.reference
+        if ref.placement == "colocated" and "num_workers" in ref.model_fields_set:
+            p.append("reference.num_workers: applies to reference.placement: separate only (a colocated reference is a "
+                     "copy inside every policy rank); remove it or set reference.placement: separate")
+        elif ref.placement == "separate" and ref.num_workers > cfg.trainer.num_ranks:
+            p.append(f"reference.num_workers: {ref.num_workers} workers but a step has only trainer.num_ranks = "
+                     f"{cfg.trainer.num_ranks} shards to score, so {ref.num_workers - cfg.trainer.num_ranks} would never "
+                     f"work (each holding a whole model, and a GPU on cuda); set it to at most {cfg.trainer.num_ranks}")
+    return p
+
+
+def reward_source_problems(cfg: ExperimentConfig) -> list[str]:
+    """A reward source that counts: the function with a non-zero weight, or a reward model with one. (No source at
+    all, and both weights 0, are refused by RewardSection itself.)"""
+    from rlhf_orch.rewards import NO_FUNCTION
+    r = cfg.reward
+    function = r.function != NO_FUNCTION and r.function_weight != 0
+    model = r.model_path is not None and r.model_weight != 0
+    if function or model:
+        return []
+    if r.model_path is None:
+        return ["reward.function_weight: 0 and no reward.model_path, so every reward would be 0 and nothing would be "
+                "learned; set reward.function_weight to a non-zero weight, or add a reward model (reward.model_path)"]
+    return ["reward.model_weight: 0 and reward.function is null, so every reward would be 0 and nothing would be "
+            "learned; set reward.model_weight to a non-zero weight, or set reward.function"]
+
+
+def policy_vocab_size(cfg: ExperimentConfig) -> int | None:
+    """The policy's vocabulary size (the token ids its samples can hold); None when its config cannot be read
+    (model.path's own check reports that)."""
+    from rlhf_orch.models.tiny import BUILTIN_PREFIX, CHARS, SPECIAL_TOKENS
+    if cfg.model.path.startswith(BUILTIN_PREFIX):
+        return len(SPECIAL_TOKENS) + len(CHARS)
+    try:
+        from transformers import AutoConfig
+        return int(AutoConfig.from_pretrained(cfg.model.path).vocab_size)
+    except Exception:
+        return None
+
+
+def causal_lm_problem(path: str, policy_vocab: int | None) -> str | None:
+    """What is wrong with `path` as the critic's starting model (a local causal LM folder: the critic keeps its
+    decoder and puts a value head on it), in one sentence with the fix; None if nothing. Reads config.json only."""
+    from pathlib import Path
+    from rlhf_orch.models.tiny import BUILTIN_PREFIX
+    unset = "remove critic.model_path to start the critic from model.path"
+    if path.startswith(BUILTIN_PREFIX):
+        return (f"{path!r}: built-in models are built for model.path only; {unset} (which may be builtin:tiny-llama), "
+                "or give a local causal LM folder")
+    folder = Path(path)
+    if not folder.is_dir():
+        return (f"{path!r} is not a local folder (rlhf_orch does not download models); give a Hugging Face causal LM "
+                f"folder (config.json and weights), or {unset}")
+    if not (folder / "config.json").is_file():
+        return (f"{path!r} has no config.json, so it is not a Hugging Face model folder; point it at the folder "
+                f"save_pretrained wrote, or {unset}")
+    try:
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(str(folder))
+    except Exception as e:   # an unknown model_type, a malformed file
+        return (f"its config.json cannot be read by AutoConfig ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                f"fix the folder or {unset}")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    archs = list(getattr(config, "architectures", None) or [])
+    causal = [a for a in archs if a.endswith(("ForCausalLM", "LMHeadModel"))]
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (archs and not causal):
+        held = "/".join(archs) or f"model_type {config.model_type!r}"
+        return (f"the folder holds a {held}, not a causal LM (AutoModelForCausalLM), whose decoder the critic's value "
+                f"head sits on; give a causal LM folder (e.g. the policy's family), or {unset}")
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+        return (f"the folder has no weights (*.safetensors or pytorch_model*.bin); save the model into it with "
+                f"save_pretrained(), or {unset}")
+    vocab = getattr(config, "vocab_size", None)
+    if policy_vocab is not None and vocab is not None and vocab < policy_vocab:
+        return (f"its vocabulary ({vocab} tokens) is smaller than the policy's ({policy_vocab}), but the critic reads "
+                f"the policy's token ids; use a critic with the policy's tokenizer, or {unset}")
+    return None
 
 
 def eval_problems(cfg: ExperimentConfig) -> list[str]:

@@ -10,18 +10,34 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlhf_orch.algorithms.losses import explained_variance
+from rlhf_orch.algorithms.losses import explained_variance, masked_extrema
 
 from rlhf_orch.types import TrainBatch
 
 
-def _allreduce(device: torch.device):
-    def fn(t: torch.Tensor) -> torch.Tensor:
+class _RankReduce:
+    """Reduces a small tensor over the data-parallel ranks: calling it sums (whitening and explained-variance
+    statistics), `.max` takes the elementwise max (the max/min metrics: losses.masked_extrema). Identity with one
+    rank."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def _reduce(self, t: torch.Tensor, op) -> torch.Tensor:
         if dist.is_initialized() and dist.get_world_size() > 1:
-            t = t.to(device)
-            dist.all_reduce(t)
+            t = t.to(self.device)
+            dist.all_reduce(t, op=op)
         return t.cpu()
-    return fn
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return self._reduce(t, dist.ReduceOp.SUM)
+
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        return self._reduce(t, dist.ReduceOp.MAX)
+
+
+def _allreduce(device: torch.device) -> _RankReduce:
+    return _RankReduce(device)
 
 
 def _kl_penalised(trainer, batch: TrainBatch, allreduce) -> tuple[torch.Tensor, dict[str, float]]:
@@ -60,8 +76,12 @@ def token_level_step(trainer, critic, warmup_steps: int, batch: TrainBatch, num_
         m.update(trainer.train_step(batch, num_tokens_global))
         return m
     m["critic/explained_var"] = explained_variance(values, returns, mask, allreduce)
+    m["critic/vf_explained_var"] = m["critic/explained_var"]          # verl's name for it
     m["critic/values_mean"] = float((values * mask).sum() / mask.sum().clamp(min=1))
     m["critic/returns_mean"] = float((returns * mask).sum() / mask.sum().clamp(min=1))
+    # verl's values/returns max and min, over every rank's response tokens (every rank reports the same numbers).
+    m["critic/values_max"], m["critic/values_min"] = masked_extrema(values, mask, allreduce.max)
+    m["critic/returns_max"], m["critic/returns_min"] = masked_extrema(returns, mask, allreduce.max)
     if critic.steps >= warmup_steps:
         m.update(trainer.train_step(batch, num_tokens_global))
     else:

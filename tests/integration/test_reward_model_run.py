@@ -1,7 +1,10 @@
 """A learned reward model end to end: configs/tiny_cpu_rm.yaml (exact_match weighted 1.0 + builtin:tiny-rm weighted
 0.5, built in code into the run's models folder and run on CPU in a real Ray reward worker) trains 3 steps, and every
-step's rewards in metrics.jsonl are the weighted sum of the rule and the reward model on the samples it scored."""
+step's rewards in metrics.jsonl are the weighted sum of the rule and the reward model on the samples it scored.
+PPO (configs/tiny_cpu_ppo.yaml: a critic beside each policy rank) trains on the same weighted sum with the tiny
+reward model too."""
 import json
+import math
 import os
 import statistics
 import sys
@@ -66,3 +69,33 @@ def test_rewards_are_the_weighted_sum_of_rule_and_reward_model(tmp_path, monkeyp
     # model changes nothing upstream of scoring, and the rule's part of step 1 is the rule-only run's reward.
     base = json.loads((ROOT / "tests/data/tiny_cpu_20steps_baseline.json").read_text())["steps"]
     assert statistics.fmean(r["value"] for r in scored[:per_step]) == pytest.approx(base[0]["rollout/reward_mean"], abs=1e-7)
+
+
+def test_ppo_with_a_critic_and_the_tiny_reward_model(tmp_path):
+    # A short run (CI, CPU): 2 steps of PPO, rule (char_accuracy, weight 1.0) + builtin:tiny-rm (weight 0.5). One
+    # policy + critic rank and one colocated engine, half the prompts per step and no SFT warm start keep it under a
+    # minute: nearly all of it is starting the actors (the two steps take ~0.3 s each).
+    assert launch.main(["--config", str(ROOT / "configs/tiny_cpu_ppo.yaml"), f"experiment.output_dir={tmp_path}",
+                        "experiment.name=ppo_rm", "experiment.steps=2", "data.prompts_per_step=8",
+                        "trainer.num_ranks=1", "trainer.warm_start_steps=0",
+                        "engines=[{kind: hf, placement: colocated, sampling: {temperature: 1.0, max_new_tokens: 4}}]",
+                        "reward.model_path=builtin:tiny-rm", "reward.function_weight=1.0", "reward.model_weight=0.5",
+                        *QUIET]) == 0
+    assert json.loads((tmp_path / "ppo_rm" / "summary.json").read_text())["status"] == "finished"
+    metrics = [json.loads(l) for l in (tmp_path / "ppo_rm" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in metrics] == [1, 2]
+    assert list((tmp_path / "models").glob("tiny-rm-*"))                 # the reward model was built and used
+    critic = ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/explained_var",
+              "critic/vf_explained_var", "critic/values_mean", "critic/values_max", "critic/values_min",
+              "critic/returns_mean", "critic/returns_max", "critic/returns_min")
+    for m in metrics:
+        assert math.isfinite(m["reward/model_mean"]) and m["reward/model_mean"] != 0.0, m
+        assert math.isfinite(m["reward/function_mean"]), m
+        # The weighted sum: rollout/reward_mean = 1.0 x function mean + 0.5 x model mean (the same samples).
+        assert m["rollout/reward_mean"] == pytest.approx(m["reward/function_mean"] + 0.5 * m["reward/model_mean"],
+                                                         abs=1e-5), m
+        assert all(math.isfinite(m[k]) for k in critic), {k: m.get(k) for k in critic}
+        assert m["critic/vf_explained_var"] == m["critic/explained_var"]
+        assert m["critic/values_min"] <= m["critic/values_mean"] <= m["critic/values_max"]
+        assert m["critic/returns_min"] <= m["critic/returns_mean"] <= m["critic/returns_max"]
+        assert math.isfinite(m["train/ppo_kl"]) and math.isfinite(m["train/loss"])

@@ -1,5 +1,6 @@
-"""Algorithms as objects: the registry, config errors before any actor, the trainer-side reduction, and PPO's
-token rewards and whitening split over ranks."""
+"""Algorithms as objects: the registry, config errors before any actor (every required role usable), the
+trainer-side reduction, PPO's token rewards and whitening split over ranks, and the token step's metrics under
+verl's names (values/returns max and min over two gloo ranks)."""
 import pytest
 import torch
 
@@ -81,7 +82,8 @@ def _problems(tmp_path, *overrides):
 def test_config_errors_name_the_field(tmp_path):
     assert "algorithm.group_size: grpo compares the samples of one prompt" in _problems(tmp_path, "algorithm.group_size=1")
     assert "use one of: k1, k2, k3" in _problems(tmp_path, "algorithm.kl_estimator=k4")
-    assert "algorithm.loss_agg_mode: unknown loss aggregation mode 'seq-sum'" in _problems(tmp_path, "algorithm.loss_agg_mode=seq-sum")
+    assert ("algorithm.loss_agg_mode: unknown loss aggregation mode 'seq-sum'; use one of: token-mean, seq-mean-token-sum, "
+            "seq-mean-token-mean, seq-mean-token-sum-norm") in _problems(tmp_path, "algorithm.loss_agg_mode=seq-sum")
     assert "algorithm.loss_norm_len" in _problems(tmp_path, "algorithm.loss_agg_mode=seq-mean-token-sum-norm")
     assert "algorithm.name: unknown algorithm 'dpo'" in _problems(tmp_path, "algorithm.name=dpo")
     assert "critic does not offload" in _problems(tmp_path, "algorithm.name=ppo", "trainer.offload=true")
@@ -128,3 +130,159 @@ def test_explained_variance_over_two_ranks_equals_the_whole_batch():
     a, b = slice(0, 2), slice(2, 6)
     other = torch.stack([*whiten_stats(returns[b], mask[b]), *whiten_stats(returns[b] - values[b], mask[b])])
     assert explained_variance(values[a], returns[a], mask[a], lambda t: t + other) == pytest.approx(whole, abs=1e-12)
+
+
+# ---- every role the algorithm needs is usable, checked at config load -------------------------------------------
+def test_required_roles_that_cannot_work_are_config_errors(tmp_path):
+    from rlhf_orch.models import TinyModelSpec
+    from rlhf_orch.models.reward_tiny import ensure_reward_model_dir
+    rm = ensure_reward_model_dir(TinyModelSpec(), tmp_path / "models", seed=0)
+    msg = _problems(tmp_path, "algorithm.name=ppo", f"critic.model_path={rm}")
+    assert ("critic.model_path: the folder holds a LlamaForSequenceClassification, not a causal LM "
+            "(AutoModelForCausalLM)") in msg and "remove critic.model_path to start the critic from model.path" in msg
+    msg = _problems(tmp_path, "algorithm.name=ppo", f"critic.model_path={tmp_path / 'nope'}")
+    assert "critic.model_path: " in msg and "is not a local folder (rlhf_orch does not download models)" in msg
+    assert "critic.model_path: 'builtin:tiny-llama': built-in models are built for model.path only" in _problems(
+        tmp_path, "algorithm.name=ppo", "critic.model_path=builtin:tiny-llama")
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json, so it is not a Hugging Face model folder" in _problems(
+        tmp_path, "algorithm.name=ppo", f"critic.model_path={tmp_path / 'empty'}")
+    # No reward source that counts (PPO's critic would regress zeros).
+    assert ("reward.function_weight: 0 and no reward.model_path, so every reward would be 0"
+            in _problems(tmp_path, "algorithm.name=ppo", "reward.function_weight=0"))
+    assert ("reward.model_weight: 0 and reward.function is null, so every reward would be 0"
+            in _problems(tmp_path, "algorithm.name=ppo", "reward.function=null", "reward.model_path=builtin:tiny-rm",
+                         "reward.model_weight=0"))
+    assert "reward.model_path: no reward source" in _problems(tmp_path, "algorithm.name=ppo", "reward.function=null")
+    # A KL reference whose placement settings cannot work as asked.
+    assert "reference.num_workers: 3 workers but a step has only trainer.num_ranks = 2 shards" in _problems(
+        tmp_path, "algorithm.name=ppo", "algorithm.kl_coef=0.1", "reference.placement=separate", "reference.num_workers=3")
+    assert "reference.num_workers: applies to reference.placement: separate only" in _problems(
+        tmp_path, "algorithm.kl_coef=0.1", "reference.num_workers=2")
+
+
+def test_a_critic_folder_of_a_causal_lm_is_accepted_and_vocabularies_must_cover_the_policy(tmp_path, tiny_model_dir):
+    import json
+    import shutil
+    import yaml
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"engines": [{"kind": "hf"}]}))
+    cfg = load_config(str(path), ["algorithm.name=ppo", f"critic.model_path={tiny_model_dir}",
+                                  "reward.function=null", "reward.model_path=builtin:tiny-rm"])   # the model alone
+    assert cfg.critic.model_path == tiny_model_dir
+    small = tmp_path / "small"
+    shutil.copytree(tiny_model_dir, small)
+    conf = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**conf, "vocab_size": 10}))
+    msg = _problems(tmp_path, "algorithm.name=ppo", f"critic.model_path={small}")
+    assert f"critic.model_path: its vocabulary (10 tokens) is smaller than the policy's ({conf['vocab_size']})" in msg
+    for f in small.glob("*.safetensors"):
+        f.unlink()
+    (small / "config.json").write_text(json.dumps(conf))
+    assert "critic.model_path: the folder has no weights" in _problems(tmp_path, "algorithm.name=ppo",
+                                                                       f"critic.model_path={small}")
+
+
+def test_group_size_one_is_refused_for_every_group_algorithm(tmp_path):
+    for name in ("grpo", "rloo", "reinforce_pp"):
+        msg = _problems(tmp_path, f"algorithm.name={name}", "algorithm.group_size=1")
+        assert f"algorithm.group_size: {name} compares the samples of one prompt" in msg
+    for name in ("ppo", "reinforce_pp_gamma"):   # no groups: a group of one is fine
+        assert make_algorithm({"name": name, "group_size": 1}).problems() == []
+
+
+# ---- verl's metric names from the token-level step (issue 14 item 4) --------------------------------------------
+# Three rows, gamma = lam = 1: GAE's returns are the outcome reward on every response token (delta telescopes),
+# so over the mask the returns are {2, 2, -1, -1, .5, .5, .5}: max 2, min -1; the values on the mask are
+# {.5, 1.5, -.5, 3, 1, 0, 2.5}: max 3, min -0.5 (the 9s are off the mask). REINFORCE++ with gamma 0.9:
+# row 0 [_, 1.8, 2, _], row 1 [_, _, -.9, -1], row 2 [_, .405, .45, .5]: max 2, min -1.
+MASK = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.float32)
+REWARDS = torch.tensor([2.0, -1.0, 0.5])
+VALUES = torch.tensor([[9, 0.5, 1.5, 9], [-9, 9, -0.5, 3.0], [9, 1.0, 0.0, 2.5]])
+
+
+class _Policy:
+    """What token_level_step uses of a policy trainer."""
+    def __init__(self, settings):
+        self.device, self.algo = torch.device("cpu"), make_algorithm(settings)
+
+    def train_step(self, batch, num_tokens_global):
+        return {"train/loss": 0.0}
+
+
+class _Critic:
+    steps = 0
+
+    def __init__(self, values):
+        self._values = values
+
+    def values(self, batch):
+        return self._values.clone()
+
+    def train_step(self, batch, returns, values, num_tokens_global):
+        return {"critic/vf_loss": 0.0}
+
+
+def _batch(rows):
+    from rlhf_orch.types import TrainBatch
+    mask = MASK[rows]
+    return TrainBatch(torch.zeros(mask.shape, dtype=torch.long), torch.ones(mask.shape, dtype=torch.long), mask,
+                      torch.zeros(len(mask)), torch.zeros(mask.shape), rewards=REWARDS[rows])
+
+
+def _step_metrics(rows):
+    from rlhf_orch.trainer.token_step import token_level_step
+    ppo = token_level_step(_Policy({"name": "ppo"}), _Critic(VALUES[rows]), 0, _batch(rows), 7.0)
+    rpp = token_level_step(_Policy({"name": "reinforce_pp_gamma", "gamma": 0.9}), None, 0, _batch(rows), 7.0)
+    return ppo, rpp
+
+
+def test_token_step_reports_verl_critic_and_returns_statistics():
+    from rlhf_orch.algorithms.losses import explained_variance
+    ppo, rpp = _step_metrics(slice(0, 3))
+    assert ppo["critic/values_max"] == 3.0 and ppo["critic/values_min"] == -0.5
+    assert ppo["critic/returns_max"] == pytest.approx(2.0) and ppo["critic/returns_min"] == pytest.approx(-1.0)
+    ret = REWARDS[:, None] * MASK
+    assert ppo["critic/vf_explained_var"] == ppo["critic/explained_var"]
+    assert ppo["critic/vf_explained_var"] == pytest.approx(explained_variance(VALUES, ret, MASK), abs=1e-6)
+    assert rpp["reinforce_pp/returns_max"] == pytest.approx(2.0) and rpp["reinforce_pp/returns_min"] == pytest.approx(-1.0)
+    # The algorithm alone, with a plain summing function (no max): the shard's own numbers.
+    algo = make_algorithm({"name": "reinforce_pp_gamma", "gamma": 0.9})
+    _, _, m = algo.token_advantages(REWARDS[1:], None, MASK[1:], lambda t: t)
+    assert m["reinforce_pp/returns_max"] == pytest.approx(0.5) and m["reinforce_pp/returns_min"] == pytest.approx(-1.0)
+
+
+def _two_ranks(rank, port, out):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.save(_step_metrics([slice(0, 1), slice(1, 3)][rank]), f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_max_and_min_are_the_whole_batch_over_two_ranks(tmp_path):
+    """Rank 0 holds row 0, rank 1 rows 1-2: each rank's values are another's than the batch's extremes, and after
+    the MAX all-reduce both report the whole batch's; the driver's merge (min for *_min, max for *_max) keeps them."""
+    import socket
+    import torch.multiprocessing as mp
+    from actors.trainer import _average
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_two_ranks, args=(port, str(tmp_path)), nprocs=2)
+    (ppo0, rpp0), (ppo1, rpp1) = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    whole_ppo, whole_rpp = _step_metrics(slice(0, 3))
+    keys = ("critic/values_max", "critic/values_min", "critic/returns_max", "critic/returns_min")
+    for key in keys:
+        assert ppo0[key] == ppo1[key] == _average([ppo0, ppo1])[key] == pytest.approx(whole_ppo[key], abs=1e-6), key
+    for key in ("reinforce_pp/returns_max", "reinforce_pp/returns_min"):
+        assert rpp0[key] == rpp1[key] == _average([rpp0, rpp1])[key] == pytest.approx(whole_rpp[key], abs=1e-6), key
+    assert ppo0["critic/vf_explained_var"] == pytest.approx(whole_ppo["critic/vf_explained_var"], abs=1e-6)
+
+
+def test_driver_merges_max_and_min_keys_across_ranks():
+    from actors.trainer import _average
+    out = _average([{"critic/values_max": 1.0, "critic/values_min": -2.0, "critic/values_mean": 0.0},
+                    {"critic/values_max": 3.0, "critic/values_min": 0.5, "critic/values_mean": 1.0}])
+    assert out == {"critic/values_max": 3.0, "critic/values_min": -2.0, "critic/values_mean": 0.5}

@@ -93,7 +93,7 @@ def test_every_shipped_cpu_config_fits_two_cpus():
         assert local_fit_problem(cfg, environ={}) is None, path
 
 
-@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+@pytest.mark.parametrize("algo", ["grpo", "rloo", "reinforce_pp"])
 def test_group_size_one_with_a_group_algorithm(capsys, tmp_path, algo):
     msg = one_error(capsys, tmp_path, f"algorithm.name={algo}", "algorithm.group_size=1")
     assert msg.startswith(f"algorithm.group_size: {algo} compares the samples of one prompt") and "group_size >= 2" in msg
@@ -155,3 +155,47 @@ def test_characters_the_builtin_tokenizer_cannot_encode(capsys, tmp_path):
     assert msg.startswith(f"data.prompt_key: 1 prompts of {path} hold characters the tokenizer cannot encode "
                           "('W'; first: row 0), which would silently become <unk>")
     assert "the built-in tokenizer knows only lowercase" in msg
+
+
+# ---- an algorithm whose required role cannot work as configured (issue 14) -----------------------------------------
+def _reward_model_folder(tmp_path) -> Path:
+    from rlhf_orch.models import TinyModelSpec
+    from rlhf_orch.models.reward_tiny import ensure_reward_model_dir
+    return ensure_reward_model_dir(TinyModelSpec(), tmp_path / "models", seed=0)
+
+
+@pytest.mark.parametrize("where, start", [
+    ("missing", "is not a local folder (rlhf_orch does not download models)"),
+    ("builtin", "'builtin:tiny-llama': built-in models are built for model.path only"),
+    ("no_config", "has no config.json, so it is not a Hugging Face model folder"),
+    ("classifier", "the folder holds a LlamaForSequenceClassification, not a causal LM (AutoModelForCausalLM)"),
+])
+def test_critic_model_path_that_is_not_a_causal_lm_folder(capsys, tmp_path, where, start):
+    path = {"missing": str(tmp_path / "nope"), "builtin": "builtin:tiny-llama", "no_config": str(tmp_path),
+            "classifier": str(_reward_model_folder(tmp_path)) if where == "classifier" else ""}[where]
+    msg = one_error(capsys, tmp_path, "algorithm.name=ppo", f"critic.model_path={path}")
+    assert msg.startswith("critic.model_path: ") and start in msg, msg
+    assert "remove critic.model_path to start the critic from model.path" in msg, msg   # the fix
+
+
+@pytest.mark.parametrize("overrides, start", [
+    (["reward.function_weight=0"], "reward.function_weight: 0 and no reward.model_path, so every reward would be 0"),
+    (["reward.function=null"], "reward.model_path: no reward source: reward.function is null and reward.model_path"),
+    (["reward.function=null", "reward.model_path=builtin:tiny-rm", "reward.model_weight=0"],
+     "reward.model_weight: 0 and reward.function is null, so every reward would be 0"),
+])
+def test_ppo_without_a_reward_source(capsys, tmp_path, overrides, start):
+    msg = one_error(capsys, tmp_path, "algorithm.name=ppo", *overrides)
+    assert msg.startswith(start), msg
+    assert "set reward." in msg
+
+
+@pytest.mark.parametrize("overrides, start, fix", [
+    (["reference.placement=separate", "reference.num_workers=2"],
+     "reference.num_workers: 2 workers but a step has only trainer.num_ranks = 1 shards", "set it to at most 1"),
+    (["reference.num_workers=2"], "reference.num_workers: applies to reference.placement: separate only",
+     "remove it or set reference.placement: separate"),
+])
+def test_kl_reference_that_its_settings_make_unusable(capsys, tmp_path, overrides, start, fix):
+    msg = one_error(capsys, tmp_path, "algorithm.name=ppo", "algorithm.kl_coef=0.05", *overrides)
+    assert msg.startswith(start) and fix in msg, msg

@@ -17,6 +17,7 @@ from rlhf_orch.algorithms import (
     entropy_bonus,
     explained_variance,
     kl_divergence,
+    masked_extrema,
     policy_loss,
     value_loss,
 )
@@ -329,7 +330,7 @@ def test_no_dual_clip_is_bit_identical_to_before():
     loss, m = policy_loss(lp, old, adv, mask, 0.2, 0.28)
     assert torch.equal(loss, _old_policy_loss(lp, old, adv, mask, 0.2, 0.28))
     assert torch.equal(loss, policy_loss(lp, old, adv, mask, 0.2, 0.28, clip_ratio_c=None)[0])
-    assert {"clip_frac", "ratio_mean", "ratio_max", "approx_kl", "pg_clipfrac", "pg_clipfrac_lower"} == set(m)
+    assert {"clip_frac", "ratio_mean", "ratio_max", "approx_kl", "ppo_kl", "pg_clipfrac", "pg_clipfrac_lower"} == set(m)
 
 
 def test_clip_ratio_c_must_exceed_one():
@@ -408,3 +409,47 @@ def test_explained_variance():
     r = torch.tensor([[1.0, 2.0, 4.0, -100.0]])
     assert explained_variance(v, r, torch.tensor([[1.0, 1, 1, 0]])) == pytest.approx(1 - (1 / 3) / (7 / 3 + 1e-5))
     assert explained_variance(r, r, torch.ones(1, 4)) == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------- metrics under verl's names
+
+def test_ppo_kl_is_verls_k1_mean_of_old_minus_new():
+    # log-ratios logp - logp_old on the mask: 0.5, -0.25, 30 (clamped to 20, as verl clamps negative_approx_kl);
+    # the 4th token (log-ratio 7) is masked out. ppo_kl = mean(old - new) = -(0.5 - 0.25 + 20) / 3 = -6.75.
+    old = torch.zeros(1, 4)
+    lp = torch.tensor([[0.5, -0.25, 30.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    _, m = policy_loss(lp, old, torch.tensor([1.0]), mask)
+    assert m["ppo_kl"] == pytest.approx(-6.75)
+    # The new policy lowered both tokens' logprobs by 0.1: ppo_kl = +0.1 (approx_kl, k3, is 0.0048374 there:
+    # exp(-0.1) - 1 + 0.1); ratio 1 (no change) gives exactly 0.
+    lp = torch.tensor([[-1.1, -2.1]])
+    _, m = policy_loss(lp, torch.tensor([[-1.0, -2.0]]), torch.tensor([1.0]), torch.ones(1, 2))
+    assert m["ppo_kl"] == pytest.approx(0.1, abs=1e-6) and m["approx_kl"] == pytest.approx(0.0048374, abs=1e-6)
+    assert policy_loss(lp, lp.clone(), torch.tensor([1.0]), torch.ones(1, 2))[1]["ppo_kl"] == 0.0
+    # Against the transcription of verl's compute_policy_loss_vanilla on random inputs:
+    #   negative_approx_kl = clamp(log_prob - old_log_prob, -20, 20); ppo_kl = masked_mean(-negative_approx_kl, mask)
+    g = torch.Generator().manual_seed(11)
+    lp, old = torch.randn(5, 7, generator=g) * 3, torch.randn(5, 7, generator=g) * 3
+    mask = (torch.rand(5, 7, generator=g) > 0.3).float()
+    want = float((-(lp - old).clamp(-20, 20) * mask).sum() / mask.sum())
+    assert policy_loss(lp, old, torch.randn(5, generator=g), mask)[1]["ppo_kl"] == pytest.approx(want, abs=1e-6)
+
+
+def test_masked_extrema():
+    # Off-mask entries (100, -100 and the masked 0) do not count: max 5, min -7.
+    x = torch.tensor([[5.0, -1.0, 2.0, 100.0], [0.0, 3.0, -7.0, -100.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0]])
+    assert masked_extrema(x, mask) == (5.0, -7.0)
+    assert masked_extrema(x, torch.zeros_like(mask)) == (0.0, 0.0)       # no token: 0, as masked_mean
+    # Split over two "ranks": the MAX all-reduce of (max, -min) gives the whole batch's on each.
+    def shard(rows):
+        on = mask[rows] != 0
+        v = x[rows][on].double()
+        return torch.stack([v.max(), -v.min()]) if v.numel() else torch.full((2,), float("-inf"), dtype=torch.float64)
+    a, b = slice(0, 1), slice(1, 2)
+    assert masked_extrema(x[a], mask[a], lambda t: torch.maximum(t, shard(b))) == (5.0, -7.0)
+    assert masked_extrema(x[b], mask[b], lambda t: torch.maximum(t, shard(a))) == (5.0, -7.0)
+    # A rank with no response token contributes -inf, which the other rank's values beat.
+    empty = torch.zeros(1, 4)
+    assert masked_extrema(x[a], empty, lambda t: torch.maximum(t, shard(b))) == (3.0, -7.0)
