@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from rlhf_orch.errors import WeightSyncError
+from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync.buckets import BucketLayout, checksums, max_bucket_bytes, slot_view
 from rlhf_orch.weight_sync.collective import BroadcastGroup
 from rlhf_orch.weight_sync.copysum import CopyPlan, Run
@@ -60,6 +61,8 @@ class WeightSender:
         self.timeout_s = float(timeout_s)
         self.mailboxes: dict[str, Mailbox] = {}   # stream engines (attach_mailbox); the rest get calls
         self._plans: dict[tuple, CopyPlan] = {}   # pack-and-checksum plans by (bucket, buffer, tensor addresses)
+        self._views: dict[tuple, list[torch.Tensor]] = {}   # (bucket, buffer) -> its slots' views
+        self._dtypes: dict[int, list[torch.dtype]] = {}
         self.active = bool(self.ipc_engines) or group is not None
         self._bufs: list[tuple[str, torch.Tensor]] = []
         self._handles = []
@@ -79,14 +82,28 @@ class WeightSender:
             raise ValueError(f"{engine} is not an ipc engine of this rank")
         self.mailboxes[engine] = Mailbox.attach(handle)
 
-    def _pack_and_sum(self, layout: BucketLayout, slot: int, buf: torch.Tensor, dsts: list, srcs: list) -> list[int]:
+    def _slot_views(self, layout: BucketLayout, slot: int) -> list[torch.Tensor]:
+        """Typed views of every tensor's place in ring buffer `slot`, made once (an MoE bucket has ~170 tensors, and
+        making the views at every sync cost more than the copy)."""
+        views = self._views.get((layout.index, slot))
+        if views is None:
+            buf = self._bufs[slot][1]
+            views = self._views[(layout.index, slot)] = [slot_view(buf, s) for s in layout.slots]
+        return views
+
+    def _pack_and_sum(self, layout: BucketLayout, slot: int, srcs: list) -> list[int]:
         """Pack one bucket and checksum every tensor in the same pass (copysum.py). Tensors that must change dtype
         on the way are copied by torch and checksummed from the bucket. The plan is cached by the tensors'
         addresses: parameters that stay put (ZeRO-1/2) reuse it at every sync."""
-        same = [i for i, (d, t) in enumerate(zip(dsts, srcs)) if d.dtype == t.dtype and t.is_contiguous()]
+        dtypes = self._dtypes.get(layout.index)
+        if dtypes is None:
+            dtypes = self._dtypes[layout.index] = [dtype_from_name(s.dtype) for s in layout.slots]
+        same = [i for i, t in enumerate(srcs) if t.dtype == dtypes[i] and t.is_contiguous()]
         key = (layout.index, slot, tuple(srcs[i].data_ptr() for i in same))
         plan = self._plans.get(key)
+        dsts = None
         if plan is None:
+            dsts = self._slot_views(layout, slot)
             runs = [Run(srcs[i].reshape(-1).view(torch.uint8), dsts[i].reshape(-1).view(torch.uint8), i) for i in same]
             plan = CopyPlan(runs, len(layout.slots), self.device)
             if plan.cacheable:
@@ -94,6 +111,7 @@ class WeightSender:
                 self._plans[key] = plan
         rest = sorted(set(range(len(srcs))) - set(same))
         if rest:
+            dsts = dsts or self._slot_views(layout, slot)
             torch._foreach_copy_([dsts[i] for i in rest], [srcs[i] for i in rest], non_blocking=True)
         sums = plan.run()
         if rest:
@@ -149,21 +167,20 @@ class WeightSender:
             # Pull the bucket's tensors, then copy them with one multi-tensor kernel. The trainer
             # iterator keeps a bucket's tensors valid until the next bucket is pulled (ZeRO-3 gathers
             # exactly one bucket at a time), so batching is safe and saves a launch per tensor.
-            dsts, srcs = [], []
+            srcs = []
             for s in layout.slots:
                 try:
                     name, t = next(it)
                 except StopIteration:
                     raise WeightSyncError(f"trainer yielded fewer tensors than the layout expects (missing {s.name})") from None
                 self._check(s, name, t)
-                dsts.append(slot_view(buf, s))
                 srcs.append(t)
             sums: list[int] = []
             if self.verify:
-                sums = self._pack_and_sum(layout, slot, buf, dsts, srcs)   # its host read also waits for the copies
+                sums = self._pack_and_sum(layout, slot, srcs)   # its host read also waits for the copies
                 res.checksums.extend(sums)
             else:
-                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                torch._foreach_copy_(self._slot_views(layout, slot), srcs, non_blocking=True)
                 if self.ipc_engines:
                     self._sync_device()   # another process reads this buffer: the copies must be done first
             del srcs
