@@ -307,6 +307,8 @@ class HFEngineConfig(_EngineBase):
                                   "(a slow engine, to exercise overlap, partial rollouts and deadlines on CPU).")
     stepwise_sync: bool = Field(False, description="Test hook: take every weight sync bucket by bucket through the "
                                 "coordinator (the path SGLang engines use) instead of in one call.")
+    sync_delay_s: float = Field(0.0, ge=0, description="Test hook: sleep this long before loading each weight-sync "
+                                "bucket (a slow sync, so a test can kill the engine in the middle of one).")
 
 
 class VLLMEngineConfig(_EngineBase):

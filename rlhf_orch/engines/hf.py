@@ -41,13 +41,14 @@ class HFEngine(EngineLifecycle):
     reports_decode_steps = True
     def __init__(self, name: str, model_path: str, device: str = "cpu", dtype: str = "float32",
                  device_id: str = "", max_batch_size: int = 256, seed: int = 0, decode_delay_s: float = 0.0,
-                 stepwise_sync: bool = False):
+                 stepwise_sync: bool = False, sync_delay_s: float = 0.0):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.name = name
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
         self.max_batch_size = max_batch_size
         self.decode_delay_s = decode_delay_s   # test hook: a slow engine
+        self.sync_delay_s = sync_delay_s       # test hook: a slow sync (a bucket's load)
         self.streams = not stepwise_sync       # test hook: the coordinator's bucket-by-bucket path (actors/rollout.py)
         self.weight_version = -1        # nothing synced yet: the first sync makes it 0
         self._device_id = device_id
@@ -166,6 +167,8 @@ class HFEngine(EngineLifecycle):
     @torch.no_grad()
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         self._need_weights_awake("load_weights")
+        if self.sync_delay_s:
+            time.sleep(self.sync_delay_s)
         missing = [n for n, _ in named if n not in self.params]
         if missing:
             raise EngineError(f"engine {self.name}: no parameter named {missing[0]!r} in the model")
@@ -178,6 +181,8 @@ class HFEngine(EngineLifecycle):
     def replay_params(self) -> dict[str, torch.Tensor]:
         """The parameters a `LoadReplay` writes into in place of `load_weights` (refused while asleep, as it is)."""
         self._need_weights_awake("load_weights")
+        if self.sync_delay_s:
+            time.sleep(self.sync_delay_s)
         return self.params
 
     def rng_state(self) -> torch.Tensor:
