@@ -84,6 +84,10 @@ def rl_step(cluster, cfg, step: int) -> tuple[dict, dict]:
         with timer.phase("to_train"):       # colocation: engines sleep, trainers reload
             coloc.update(cluster.to_train())
         with timer.phase("train"):
+            # From here the trainers may hold this step's update: a checkpoint labelled step-1 would resume on
+            # it (cluster.close skips one; a SIGTERM waits for the step's end, see _on_sigterm).
+            cluster.trainer_step = step
+            _IN_STEP.append(step)
             train = cluster.train(meta, shards)
         with timer.phase("sync"):
             sync_metrics = cluster.sync(step)
@@ -122,6 +126,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
     from actors.builder import Cluster
     from rlhf_orch.rollout_utils import reward_summary, warm_start_pairs
     from rlhf_orch.checkpoint import CheckpointPolicy
+    from rlhf_orch.errors import RunStopped
     from rlhf_orch.evaluation import eval_set_for, last_eval
     from rlhf_orch.trainer.batch import build_sft_batch
 
@@ -165,6 +170,10 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
             cluster.log_rollouts(step, meta)
             rollout_state = meta["state"]   # the data cursor and untrained draws after this step
             cluster.step_boundary()         # the engines' RNGs as this step leaves them (what its checkpoint holds)
+            _IN_STEP.clear()
+            if _STOPPING:                   # a SIGTERM came while this step trained: it is complete now
+                sinks.write(step, m)
+                raise RunStopped(f"stopped by signal {signal.Signals(_STOPPING[0]).name} (after step {step})")
             try:
                 if eval_set is not None and eval_set.due(step, last):   # the engines hold this step's weights
                     ev = cluster.evaluate(eval_set, step)
@@ -188,6 +197,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
         summary.update(syncs=syncs, verified_syncs=verified, transports=cluster.plan)
         return summary
     finally:
+        _IN_STEP.clear()   # a step that failed is not under way any more: a later SIGTERM stops at once
         if cluster is not None:
             cluster.close(records, rollout_state)
             summary["ledger"] = cluster.final_ledger   # every prompt drawn: trained, filtered, or still queued
@@ -197,6 +207,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
 
 
 _STOPPING: list[int] = []   # signals received: only the first one stops the run
+_IN_STEP: list[int] = []    # the step whose training has started and which has not completed yet
 
 
 def _on_sigterm(signum, frame):
@@ -208,6 +219,10 @@ def _on_sigterm(signum, frame):
     _STOPPING.append(signum)
     if len(_STOPPING) > 1:
         logger.warning("signal %s again: still saving the stopped run", signal.Signals(signum).name)
+        return
+    if _IN_STEP:   # the trainers may already hold this step's update: stop once the step is complete (its sync)
+        logger.warning("signal %s: stopping once step %d completes (its training has started)",
+                       signal.Signals(signum).name, _IN_STEP[0])
         return
     raise RunStopped(f"stopped by signal {signal.Signals(signum).name}")
 
@@ -248,6 +263,7 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     _STOPPING.clear()   # a fresh run in this process (tests call main() more than once)
+    _IN_STEP.clear()
     t0, restarts, faults, rc = time.time(), [], [], 0
     while True:
         summary: dict = {}
@@ -262,7 +278,7 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
             break
         except RLHFOrchError as e:
             # A dead trainer rank, reward worker, coordinator or manager: restart from the latest good checkpoint.
-            if is_actor_death(e) and len(restarts) < cfg.fault_tolerance.max_run_restarts:
+            if is_actor_death(e) and len(restarts) < cfg.fault_tolerance.max_run_restarts and not _STOPPING:
                 restarts.append({"t": time.time(), "error": str(e).splitlines()[0][:500]})
                 faults.extend(summary.get("faults", []))
                 logger.error("run failed (%s); restarting from the latest checkpoint (restart %d of %d)",

@@ -103,6 +103,7 @@ class Cluster(EngineRecovery):
         self.history: list[dict] = []
         self.resume_from: tuple[str, dict, dict] | None = None   # (tag, rl_state, tensors) when resuming
         self.resume_notes: list[str] = []    # why a checkpoint was skipped, or why the resume is not bit-exact
+        self.trainer_step = 0                # the latest step the trainers started training (launch.rl_step)
         try:
             self._build(model_path, dataset, pad_id)
         except BaseException:
@@ -467,8 +468,14 @@ class Cluster(EngineRecovery):
         except Exception as e:
             logger.warning("could not put engines to sleep before the final checkpoint: %s", str(e).splitlines()[0])
         try:
-            if records and rollout_state and self._trainers_alive():
-                self.checkpoint(int(records[-1]["step"]), rollout_state)
+            last = int(records[-1]["step"]) if records else 0
+            if records and rollout_state and self.trainer_step > last:
+                # The run failed after step last+1 began training: the trainers may hold its update, so a checkpoint
+                # labelled `last` would resume on the wrong weights. The latest periodic checkpoint stays the one.
+                logger.warning("final checkpoint skipped: the trainers may already hold step %d's update, which did "
+                               "not complete; a resume starts from the latest periodic checkpoint", self.trainer_step)
+            elif records and rollout_state and self._trainers_alive():
+                self.checkpoint(last, rollout_state)
         except Exception as e:  # a dead trainer must not hide the metrics already written
             logger.warning("final checkpoint failed: %s", e)
         self._stop_rollouts()

@@ -49,6 +49,11 @@ class WeightSyncCoordinator:
     def _get(self, refs, what):
         return get(refs, self.timeout_s, what, WeightSyncError)
 
+    def health(self) -> dict:
+        """Its process id (fault tests kill it; the driver restarts the run when it dies)."""
+        import os
+        return {"pid": os.getpid()}
+
     def setup(self) -> dict:
         t0 = time.perf_counter()
         trainer_devs = self._get([t.device_id.remote() for t in self.trainers], "trainer device ids")

@@ -1,6 +1,7 @@
-"""A dead trainer rank, reward worker or separate reference worker restarts the run from its latest checkpoint, by
-itself, and the run ends exactly where an uninterrupted one does: SIGKILL trainer rank 1 (or the reward worker, or
-reference worker 1 of a `reference.placement: separate` run) at step ~12 of 20 (checkpoints every 5 steps); the run restarts
+"""A dead trainer rank, reward worker, separate reference worker, weight-sync coordinator or rollout manager restarts
+the run from its latest checkpoint, by itself, and the run ends exactly where an uninterrupted one does: SIGKILL
+trainer rank 1 (or the reward worker, reference worker 1 of a `reference.placement: separate` run, the coordinator
+or the rollout manager) at step ~12 of 20 (checkpoints every 5 steps); the run restarts
 from step 10 and its 20 steps match the synchronous-loop baseline recorded before the rollout manager existed
 (tests/data/tiny_cpu_20steps_baseline.json) to 1e-6; summary.json lists the restart."""
 import json
@@ -21,7 +22,8 @@ QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=fals
 
 
 @pytest.mark.parametrize("victim, extra", [("-trainer-1", []), ("-reward-0", []),
-                                           ("-reference-1", ["reference.placement=separate", "reference.num_workers=2"])])
+                                           ("-reference-1", ["reference.placement=separate", "reference.num_workers=2"]),
+                                           ("-weight-sync", []), ("-rollouts", [])])
 def test_killed_trainer_rank_or_reward_worker_restarts_the_run_from_its_checkpoint_exactly(tmp_path, victim, extra):
     base = json.loads((ROOT / "tests/data/tiny_cpu_20steps_baseline.json").read_text())
     info = {}

@@ -48,8 +48,10 @@ def test_chunked_equals_full_values_entropy_and_gradients(chunk, tie):
     assert torch.allclose(ent[m], ent_full[m], atol=1e-5, rtol=0)
     assert torch.allclose(ent_full, _full_entropy(model, ids, mask, 0.7), atol=1e-6)
     assert not ent.requires_grad
+    # Gradients sum over every position in another order when chunked; how far the float32 rounding drifts depends on
+    # the CPU kernels (tests/conftest.py pins AVX2 ones: 3.3e-6 at most on embed_tokens, under 1e-6 with AVX-512).
     for n, p in model.named_parameters():
-        assert torch.allclose(p.grad, want[n], atol=1e-6, rtol=0), (n, (p.grad - want[n]).abs().max())
+        assert torch.allclose(p.grad, want[n], atol=1e-5, rtol=0), (n, (p.grad - want[n]).abs().max())
 
 
 def test_chunked_packed_path_equals_full_packed_path():
