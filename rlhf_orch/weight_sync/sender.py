@@ -164,7 +164,7 @@ class WeightSender:
             drain(slot)
             buf = self._bufs[slot][1]
             t0 = time.perf_counter()
-            # Pull the bucket's tensors, then copy them with one multi-tensor kernel. The trainer
+            # Pull the bucket's tensors, then copy (and checksum) them in one launch. The trainer
             # iterator keeps a bucket's tensors valid until the next bucket is pulled (ZeRO-3 gathers
             # exactly one bucket at a time), so batching is safe and saves a launch per tensor.
             srcs = []
