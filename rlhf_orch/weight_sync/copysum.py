@@ -17,15 +17,13 @@ length are not multiples of 8 bytes take the torch path. This module knows nothi
 """
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from rlhf_orch.weight_sync.buckets import _word_sum
-
-logger = logging.getLogger(__name__)
 
 CHUNK_WORDS = 1 << 16        # 512 KiB per program: enough work per program, enough programs for a small bucket
 _BLOCK = 2048                # words per loop step of a program
@@ -83,6 +81,11 @@ class Run:
     slot: int
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements as a flat uint8 view (what a Run copies)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
 def _addr_ok(t: torch.Tensor) -> bool:
     return t.data_ptr() % 8 == 0 and t.numel() % 8 == 0 and t.is_contiguous()
 
@@ -98,7 +101,6 @@ class CopyPlan:
     def __init__(self, runs: list[Run], n_slots: int, device: torch.device):
         self.n_slots = n_slots
         self.device = device
-        self.nbytes = sum(r.src.numel() for r in runs)
         use_kernel = triton_available(device)
         fast = [r for r in runs if use_kernel and _addr_ok(r.src) and _addr_ok(r.dst)]
         fast_ids = {id(r) for r in fast}
@@ -130,3 +132,25 @@ class CopyPlan:
             index = torch.tensor([r.slot for r in self.slow], device=self.device)
             sums.index_add_(0, index, parts)
         return sums.tolist()   # the host read waits for the copies too
+
+
+class PlanCache:
+    """At most one CopyPlan per place (a bucket in a ring buffer), reused while the addresses it was built on are
+    the current ones. Plans on the torch path hold views of the caller's tensors and are never cached."""
+
+    def __init__(self):
+        self._plans: dict[tuple, tuple[tuple, CopyPlan]] = {}
+
+    def get(self, place: tuple, addresses: tuple, build: Callable[[], CopyPlan]) -> CopyPlan:
+        hit = self._plans.get(place)
+        if hit is not None and hit[0] == addresses:
+            return hit[1]
+        plan = build()
+        if plan.cacheable:
+            self._plans[place] = (addresses, plan)
+        else:
+            self._plans.pop(place, None)
+        return plan
+
+    def plans(self) -> list[CopyPlan]:
+        return [plan for _, plan in self._plans.values()]

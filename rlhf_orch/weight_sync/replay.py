@@ -28,7 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from rlhf_orch.weight_sync.buckets import BucketLayout, unpack
-from rlhf_orch.weight_sync.copysum import CopyPlan, Run
+from rlhf_orch.weight_sync.copysum import CopyPlan, PlanCache, Run, as_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -99,11 +99,6 @@ class _Recorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a whole parameter as a flat uint8 tensor (a view)."""
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
 def _record(layout: BucketLayout, buf: torch.Tensor, params: dict[str, torch.Tensor], load_fn) -> BucketPlan | str:
     """Run the loader on one bucket while recording its writes; a plan, or why the bucket cannot have one."""
     storages = {p.untyped_storage().data_ptr(): n for n, p in params.items() if p.numel()}
@@ -164,7 +159,7 @@ class LoadReplay:
         self.params = params
         self.enabled = enabled
         self.plans: dict[int, BucketPlan | str] = {}
-        self._copy_plans: dict[tuple, CopyPlan] = {}
+        self._copy_plans = PlanCache()   # by (bucket, buffer), while the parameters stay where they were
 
     def load(self, layout: BucketLayout, buf: torch.Tensor, load_fn) -> list[int] | None:
         """Load one bucket, by its plan or by `load_fn`. Returns the per-tensor checksums of what the engine now
@@ -189,7 +184,7 @@ class LoadReplay:
         """Which buckets replay and why the others do not (for tests, benchmarks and logs)."""
         reasons = {i: p for i, p in self.plans.items() if isinstance(p, str)}
         return {"enabled": self.enabled, "replayed": sorted(i for i in self.plans if i not in reasons),
-                "loader": reasons, "fused_kernel": any(cp.kernel_runs for cp in self._copy_plans.values())}
+                "loader": reasons, "fused_kernel": any(cp.kernel_runs for cp in self._copy_plans.plans())}
 
     @staticmethod
     def _fits(plan: BucketPlan, params: dict[str, torch.Tensor], device: torch.device) -> bool:
@@ -200,19 +195,17 @@ class LoadReplay:
         return True
 
     def _run(self, layout: BucketLayout, plan: BucketPlan, buf: torch.Tensor, params, copy: bool) -> list[int]:
-        key = (layout.index, buf.data_ptr(), *(params[n].data_ptr() for n in plan.shapes))
-        cp = self._copy_plans.get(key)
-        if cp is None:
-            bytes_of = {n: _u8(params[n]) for n in plan.shapes}
+        def build() -> CopyPlan:
+            bytes_of = {n: as_bytes(params[n]) for n in plan.shapes}
             src = buf.view(torch.uint8)
             runs = [Run(src[pc.src_off:pc.src_off + pc.nbytes], bytes_of[pc.param][pc.dst_off:pc.dst_off + pc.nbytes],
                         pc.slot) for pc in plan.pieces]
-            cp = CopyPlan(runs, len(layout.slots), buf.device)
-            if cp.cacheable:   # addresses only: the parameters may be freed and moved while it is cached
-                # One cached plan per bucket and buffer: older addresses of the same bucket are dropped.
-                self._copy_plans = {k: v for k, v in self._copy_plans.items() if k[:2] != key[:2]}
-                self._copy_plans[key] = cp
+            return CopyPlan(runs, len(layout.slots), buf.device)
+
+        # Keyed by the parameters' addresses: memory that moved (a wake-up) gets a new plan.
+        addresses = tuple(params[n].data_ptr() for n in plan.shapes)
+        cp = self._copy_plans.get((layout.index, buf.data_ptr()), addresses, build)
         sums = cp.run(copy=copy)
         for f in plan.fills:
-            _u8(params[f.param])[f.dst_off:f.dst_off + f.nbytes].view(f.dtype).fill_(f.value)
+            as_bytes(params[f.param])[f.dst_off:f.dst_off + f.nbytes].view(f.dtype).fill_(f.value)
         return sums

@@ -30,7 +30,7 @@ from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync.buckets import BucketLayout, checksums, max_bucket_bytes, slot_view
 from rlhf_orch.weight_sync.collective import BroadcastGroup
-from rlhf_orch.weight_sync.copysum import CopyPlan, Run
+from rlhf_orch.weight_sync.copysum import CopyPlan, PlanCache, Run, as_bytes
 from rlhf_orch.weight_sync.ipc import IpcHandle, allocate_shared, export_handle
 from rlhf_orch.weight_sync.mailbox import SLOTS, Mailbox, seq_of
 
@@ -60,7 +60,7 @@ class WeightSender:
         self.bcast_sums = bool(bcast_sums and verify and group is not None)
         self.timeout_s = float(timeout_s)
         self.mailboxes: dict[str, Mailbox] = {}   # stream engines (attach_mailbox); the rest get calls
-        self._plans: dict[tuple, CopyPlan] = {}   # pack-and-checksum plans by (bucket, buffer, tensor addresses)
+        self._plans = PlanCache()   # pack-and-checksum plans by (bucket, buffer), while the tensors stay put
         self._views: dict[tuple, list[torch.Tensor]] = {}   # (bucket, buffer) -> its slots' views
         self._dtypes: dict[int, list[torch.dtype]] = {}
         self.active = bool(self.ipc_engines) or group is not None
@@ -99,19 +99,11 @@ class WeightSender:
         if dtypes is None:
             dtypes = self._dtypes[layout.index] = [dtype_from_name(s.dtype) for s in layout.slots]
         same = [i for i, t in enumerate(srcs) if t.dtype == dtypes[i] and t.is_contiguous()]
-        key = (layout.index, slot, tuple(srcs[i].data_ptr() for i in same))
-        plan = self._plans.get(key)
-        dsts = None
-        if plan is None:
-            dsts = self._slot_views(layout, slot)
-            runs = [Run(srcs[i].reshape(-1).view(torch.uint8), dsts[i].reshape(-1).view(torch.uint8), i) for i in same]
-            plan = CopyPlan(runs, len(layout.slots), self.device)
-            if plan.cacheable:
-                self._plans = {k: v for k, v in self._plans.items() if k[:2] != key[:2]}
-                self._plans[key] = plan
+        dsts = self._slot_views(layout, slot)
+        plan = self._plans.get((layout.index, slot), tuple(srcs[i].data_ptr() for i in same), lambda: CopyPlan(
+            [Run(as_bytes(srcs[i]), as_bytes(dsts[i]), i) for i in same], len(layout.slots), self.device))
         rest = sorted(set(range(len(srcs))) - set(same))
         if rest:
-            dsts = dsts or self._slot_views(layout, slot)
             torch._foreach_copy_([dsts[i] for i in rest], [srcs[i] for i in rest], non_blocking=True)
         sums = plan.run()
         if rest:
@@ -122,13 +114,6 @@ class WeightSender:
     def _sync_device(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def _check(self, slot, name: str, t: torch.Tensor) -> None:
-        if name != slot.name:
-            raise WeightSyncError(f"trainer yielded {name!r} where the layout expects {slot.name!r}; "
-                                  "parameter order changed since the plan was made")
-        if tuple(t.shape) != slot.shape:
-            raise WeightSyncError(f"{name}: shape {tuple(t.shape)} does not match the layout's {slot.shape}")
 
     def send(self, named: Iterator[tuple[str, torch.Tensor]], version: int,
              deliver: Deliver | None = None, wait: Wait | None = None, sync_id: int = 0) -> SendResult:
@@ -173,7 +158,11 @@ class WeightSender:
                     name, t = next(it)
                 except StopIteration:
                     raise WeightSyncError(f"trainer yielded fewer tensors than the layout expects (missing {s.name})") from None
-                self._check(s, name, t)
+                if name != s.name:
+                    raise WeightSyncError(f"trainer yielded {name!r} where the layout expects {s.name!r}; "
+                                          "parameter order changed since the plan was made")
+                if tuple(t.shape) != s.shape:
+                    raise WeightSyncError(f"{name}: shape {tuple(t.shape)} does not match the layout's {s.shape}")
                 srcs.append(t)
             sums: list[int] = []
             if self.verify:
