@@ -85,8 +85,7 @@ def rl_step(cluster, cfg, step: int) -> tuple[dict, dict]:
             coloc.update(cluster.to_train())
         with timer.phase("train"):
             # From here the trainers may hold this step's update: a checkpoint labelled step-1 would resume on
-            # it (cluster.close skips one; a SIGTERM waits for the step's end, see _on_sigterm).
-            cluster.trainer_step = step
+            # it (run() then writes no final checkpoint; a SIGTERM waits for the step's end, see _on_sigterm).
             _IN_STEP.append(step)
             train = cluster.train(meta, shards)
         with timer.phase("sync"):
@@ -197,7 +196,11 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
         summary.update(syncs=syncs, verified_syncs=verified, transports=cluster.plan)
         return summary
     finally:
-        _IN_STEP.clear()   # a step that failed is not under way any more: a later SIGTERM stops at once
+        if _IN_STEP:   # failed after this step began training: no checkpoint may label its update as the step before
+            logger.warning("final checkpoint skipped: the trainers may already hold step %d's update, which did not "
+                           "complete; a resume starts from the latest periodic checkpoint", _IN_STEP[0])
+            rollout_state = None
+            _IN_STEP.clear()   # not under way any more: a later SIGTERM stops at once
         if cluster is not None:
             cluster.close(records, rollout_state)
             summary["ledger"] = cluster.final_ledger   # every prompt drawn: trained, filtered, or still queued
@@ -263,7 +266,6 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     _STOPPING.clear()   # a fresh run in this process (tests call main() more than once)
-    _IN_STEP.clear()
     t0, restarts, faults, rc = time.time(), [], [], 0
     while True:
         summary: dict = {}

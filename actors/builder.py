@@ -103,7 +103,6 @@ class Cluster(EngineRecovery):
         self.history: list[dict] = []
         self.resume_from: tuple[str, dict, dict] | None = None   # (tag, rl_state, tensors) when resuming
         self.resume_notes: list[str] = []    # why a checkpoint was skipped, or why the resume is not bit-exact
-        self.trainer_step = 0                # the latest step the trainers started training (launch.rl_step)
         try:
             self._build(model_path, dataset, pad_id)
         except BaseException:
@@ -461,21 +460,16 @@ class Cluster(EngineRecovery):
 
     def close(self, records: list[dict], rollout_state: dict | None) -> None:
         """Always runs: final checkpoint if the trainers are alive, plots, sinks closed, Ray shut down.
-        `rollout_state` is the manager's state after the last completed step (what a resume needs)."""
+        `rollout_state` is the manager's state after the last completed step (what a resume needs); None writes no
+        final checkpoint (launch.run: the trainers may already hold a later, unfinished step)."""
         try:
             if records and self.colocation is not None:
                 self.colocation.to_train()   # a run failing mid-generate: give the trainer its GPU back first
         except Exception as e:
             logger.warning("could not put engines to sleep before the final checkpoint: %s", str(e).splitlines()[0])
         try:
-            last = int(records[-1]["step"]) if records else 0
-            if records and rollout_state and self.trainer_step > last:
-                # The run failed after step last+1 began training: the trainers may hold its update, so a checkpoint
-                # labelled `last` would resume on the wrong weights. The latest periodic checkpoint stays the one.
-                logger.warning("final checkpoint skipped: the trainers may already hold step %d's update, which did "
-                               "not complete; a resume starts from the latest periodic checkpoint", self.trainer_step)
-            elif records and rollout_state and self._trainers_alive():
-                self.checkpoint(last, rollout_state)
+            if records and rollout_state and self._trainers_alive():
+                self.checkpoint(int(records[-1]["step"]), rollout_state)
         except Exception as e:  # a dead trainer must not hide the metrics already written
             logger.warning("final checkpoint failed: %s", e)
         self._stop_rollouts()

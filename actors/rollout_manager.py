@@ -120,11 +120,11 @@ class RolloutManager:
                 "state": self.state()}
         return meta, [ray.put(b) for b in sb.shards]
 
-
     def health(self) -> dict:
         """Its process id (fault tests kill it; the driver restarts the run when it dies)."""
         import os
         return {"pid": os.getpid()}
+
     def restore_data(self, data_state: dict) -> None:
         """A resumed run: the dataset cursor of its checkpoint (after every draw of the first segment)."""
         self.dataset.restore(data_state)

@@ -164,11 +164,14 @@ class HFEngine(EngineLifecycle):
         return choice.squeeze(-1) if idx is None else idx.gather(-1, choice).squeeze(-1)
 
     # ---- weights ----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def _before_load(self) -> None:
         self._need_weights_awake("load_weights")
         if self.sync_delay_s:
             time.sleep(self.sync_delay_s)
+
+    @torch.no_grad()
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self._before_load()
         missing = [n for n, _ in named if n not in self.params]
         if missing:
             raise EngineError(f"engine {self.name}: no parameter named {missing[0]!r} in the model")
@@ -180,9 +183,7 @@ class HFEngine(EngineLifecycle):
 
     def replay_params(self) -> dict[str, torch.Tensor]:
         """The parameters a `LoadReplay` writes into in place of `load_weights` (refused while asleep, as it is)."""
-        self._need_weights_awake("load_weights")
-        if self.sync_delay_s:
-            time.sleep(self.sync_delay_s)
+        self._before_load()
         return self.params
 
     def rng_state(self) -> torch.Tensor:
