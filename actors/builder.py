@@ -17,14 +17,13 @@ from actors.common import actor_env, get
 from actors.coordinator import WeightSyncCoordinator
 from actors.placement import allocate
 from actors.recovery import EngineRecovery
-from actors.reference import ReferenceGroup
+from actors.roles import critic_kwargs, reference_kwargs, start_role_groups
 from actors.reward import start_reward_workers
 from actors.rollout import RolloutActor, sampling_params
 from actors.rollout_manager import RolloutManager
 from actors.trainer import TrainerGroup
 from rlhf_orch.checkpoint import (checkpoint_dir, commit, find_good, read_rl_state, staging_dir, truncate_metrics,
                                   write_rl_state)
-from rlhf_orch.algorithms.base import make_algorithm
 from rlhf_orch.config import engine_names
 from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError
 from rlhf_orch.metrics.timeline import Timeline
@@ -68,17 +67,6 @@ def engine_env(env: dict, ecfg) -> dict:
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [extra, env.get("PYTHONPATH")]))}
 
 
-def critic_kwargs(cfg) -> dict:
-    """The critic role's settings for the trainer ranks (used only by critic-based algorithms)."""
-    c, t = cfg.critic, cfg.trainer
-    return dict(model_path=c.model_path, lr=c.lr, weight_decay=c.weight_decay, warmup_steps=c.warmup_steps,
-                zero_stage=t.zero_stage if c.zero_stage is None else c.zero_stage, grad_clip=t.grad_clip, bf16=t.bf16,
-                seed=cfg.experiment.seed, cliprange_value=c.cliprange_value, vf_coef=c.vf_coef,
-                gradient_checkpointing=t.gradient_checkpointing,
-                micro_batch_size=t.micro_batch_size if c.micro_batch_size is None else c.micro_batch_size,
-                max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, packing=t.packing, attn=t.attn)
-
-
 class Cluster(EngineRecovery):
     @classmethod
     def start(cls, cfg, run_dir: Path, model_path: str, dataset, pad_id: int) -> "Cluster":
@@ -87,7 +75,7 @@ class Cluster(EngineRecovery):
         self.cfg, self.run_dir, self.timeout = cfg, Path(run_dir), cfg.ray.get_timeout_s
         self.placement, self.sinks, self.started_ray = None, None, False
         self.trainers, self.coordinator, self.engines, self.rewarders = None, None, {}, []
-        self.references = None      # the separate reference group (reference.placement: separate)
+        self.references = self.critics = None   # separate role groups (actors/roles.py), when configured
         self.rollouts, self.final_ledger = None, {}
         self.faults: list[dict] = []        # engine faults and what was done about them (summary.json)
         self.unadmitted: list[str] = []     # replacements started, waiting for their first verified sync
@@ -154,7 +142,7 @@ class Cluster(EngineRecovery):
                    micro_batch_size=cfg.trainer.micro_batch_size, gradient_checkpointing=cfg.trainer.gradient_checkpointing,
                    max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch, packing=cfg.trainer.packing,
                    attn=cfg.trainer.attn, logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens,
-                   peak_tflops=cfg.trainer.peak_tflops, critic=critic_kwargs(cfg))
+                   peak_tflops=cfg.trainer.peak_tflops, critic=critic_kwargs(cfg, colocated=True))
         # Engines first: vLLM sizes its memory from what is free when it starts, and a colocated trainer
         # allocating meanwhile would skew that; then colocated engines sleep while the trainer starts.
         get([e.device_ids.remote() for e in self.engines.values()], self.timeout, "engines to start", EngineError)
@@ -162,8 +150,8 @@ class Cluster(EngineRecovery):
         self.colocation.start()
         self.trainers.init(model_path, tkw)
         self.trainer_kwargs = tkw
-        if cfg.reference.placement == "separate" and "reference" in make_algorithm(cfg.algorithm.model_dump()).roles:
-            self.references = ReferenceGroup(cfg, name, env, self.timeout)   # loads at snapshot_reference
+        # A separate reference loads at snapshot_reference; a separate critic now.
+        self.references, self.critics = start_role_groups(cfg, name, env, self.timeout, model_path)
         self.colocation.wake_weights()      # receivers are built into awake weights; the KV cache stays freed
         get([r.score.remote([]) for r in self.rewarders], self.timeout, "reward workers to start", RewardError)
         self.coordinator = WeightSyncCoordinator.options(name=f"{name}-weight-sync", runtime_env={"env_vars": env}).remote(
@@ -261,11 +249,17 @@ class Cluster(EngineRecovery):
 
     def train(self, meta: dict, refs: list) -> dict:
         extra = None
+        # A critic group's values are computed while the reference group computes its logprobs.
+        values = self.critics.values_refs(refs) if self.critics is not None else None
         if self.references is not None:   # the separate reference group first: the ranks wait for its logprobs
             with self.timeline.span("reference", "logprobs"):
                 extra = self.references.logprobs_refs(refs)
         with self.timeline.span("trainer", "train"):
-            out = self.trainers.step_shards("train_step", refs, meta["tokens"], extra)
+            if values is None:
+                out = self.trainers.step_shards("train_step", refs, meta["tokens"], extra)
+            else:
+                out = self.trainers.step_with_critic(refs, meta["tokens"], extra, self.critics, values,
+                                                     self.cfg.critic.warmup_steps)
         return {**out, **self.colocation.after_train(out)}   # trainer.offload auto: the plan, chosen after step 1
 
     def log_rollouts(self, step: int, meta: dict) -> None:
@@ -364,7 +358,9 @@ class Cluster(EngineRecovery):
 
     def _write_checkpoint(self, ckpt: Path, tag: str, step: int, rollout_state: dict) -> None:
         stage = staging_dir(ckpt, tag)
-        self.trainers.call("save_checkpoint", str(ckpt), stage.name, {"step": step})
+        path = self.trainers.call("save_checkpoint", str(ckpt), stage.name, {"step": step})[0]
+        if self.critics is not None:   # where a colocated critic saves too: inside the policy's tag folder
+            self.critics.call("save_checkpoint", path, "critic")
         rngs = self.boundary_rngs if self.boundary_rngs is not None else self._engine_rngs()
         missing = sorted(slot for slot in {self.slots[n]["base"] for n in self.engines} if rngs.get(slot) is None)
         for slot in missing:
@@ -388,6 +384,8 @@ class Cluster(EngineRecovery):
             return None
         tag, state, tensors = self.resume_from
         self.trainers.call("load_checkpoint", str(ckpt), tag)
+        if self.critics is not None:
+            self.critics.call("load_checkpoint", str(ckpt / tag), "critic")
         get([e.set_rng_state.remote(tensors.get(f"engine_rng/{n}")) for n, e in self.engines.items()],
             self.timeout, "engine RNG restore", EngineError)
         lost = [n for n in self.engines if f"engine_rng/{n}" not in tensors]
@@ -409,25 +407,29 @@ class Cluster(EngineRecovery):
         self.trainers.call("snapshot_reference", self.reference_path, resumed, keep)
         if not keep:
             with self.timeline.span("reference", "load"):
-                self.references.load(self.model_path, self.reference_path, self.trainer_kwargs)
+                self.references.load(self.model_path, reference_kwargs(self.reference_path, self.trainer_kwargs))
 
     def _shutdown_actors(self) -> None:
-        """Engines leave the broadcast group, then trainers leave theirs together, then all are killed."""
+        """Engines leave the broadcast group, then trainers (and a critic group) leave theirs together, then all are
+        killed."""
         trainers = self.trainers.actors if self.trainers is not None else []
-        for what, actors in (("engines", list(self.engines.values())), ("trainers", trainers)):
+        critics = self.critics.actors if self.critics is not None else []
+        for what, actors in (("engines", list(self.engines.values())), ("trainers", trainers), ("critics", critics)):
             try:
                 ray.get([a.shutdown.remote() for a in actors], timeout=30)
             except Exception as e:   # a dead actor cannot shut down cleanly; killing it below is enough
                 logger.warning("clean shutdown of %s failed: %s", what, e)
         references = self.references.actors if self.references is not None else []
-        for a in [*self.engines.values(), *trainers, *references, *self.rewarders,
+        for a in [*self.engines.values(), *trainers, *critics, *references, *self.rewarders,
                   *([self.coordinator] if self.coordinator else [])]:
             ray.kill(a)
 
     def _trainers_alive(self) -> bool:
-        """A checkpoint needs every rank: with one dead the others would wait in a collective until its timeout."""
+        """A checkpoint needs every rank (a critic group's too): with one dead the others would wait in a collective
+        until its timeout."""
+        critics = self.critics.actors if self.critics is not None else []
         try:
-            ray.get([t.health.remote() for t in self.trainers.actors], timeout=15)
+            ray.get([t.health.remote() for t in [*self.trainers.actors, *critics]], timeout=15)
             return True
         except Exception as e:
             logger.warning("no final checkpoint: a trainer rank does not answer (%s); the latest one stays in charge",

@@ -42,8 +42,8 @@ class TrainerActor:
         kwargs = dict(kwargs)
         critic = kwargs.pop("critic", None)
         self.trainer = DeepSpeedTrainer(model_path, self.rank, self.world_size, device=self.device, **kwargs)
-        self.critic = None
-        if self.trainer.algo.needs_critic:   # the critic role, colocated with this policy rank (same process group)
+        self.critic, self._prepared = None, None
+        if self.trainer.algo.needs_critic and critic is not None:   # critic.placement colocated: in this process
             from rlhf_orch.trainer.critic import DeepSpeedCritic
             c = dict(critic or {})
             self.critic_warmup = c.pop("warmup_steps", 0)
@@ -67,17 +67,40 @@ class TrainerActor:
         """`ref_logprobs`: this shard's [B, T] logprobs from the separate reference group (None: the reference,
         if any, is this rank's own copy). On CUDA also `mem/trainer_peak_gb_max`: the most this rank's allocator
         held during the step (the colocation plan of `trainer.offload: auto` reads it; max over ranks)."""
-        from rlhf_orch.gpu_memory import peak_reserved_gb, reset_peak
-        reset_peak(self.trainer.device)
         if ref_logprobs is not None:
             batch.ref_logprobs = ref_logprobs
         if self.trainer.algo.token_level:
             from rlhf_orch.trainer.token_step import token_level_step
-            m = token_level_step(self.trainer, self.critic, getattr(self, "critic_warmup", 0), batch, num_tokens_global)
-        else:
-            m = self.trainer.train_step(batch, num_tokens_global)
+            return self._peak(token_level_step, self.trainer, self.critic, getattr(self, "critic_warmup", 0), batch,
+                              num_tokens_global)
+        return self._peak(self.trainer.train_step, batch, num_tokens_global)
+
+    def _peak(self, fn, *args) -> dict:
+        from rlhf_orch.gpu_memory import peak_reserved_gb, reset_peak
+        reset_peak(self.trainer.device)
+        m = fn(*args)
         peak = peak_reserved_gb(self.trainer.device)
         return m if peak is None else {**m, "mem/trainer_peak_gb_max": peak}
+
+    # A critic group of its own (critic.placement: separate): the step in two calls, so the group trains on the
+    # returns while this rank trains the policy.
+    @ray.method(num_returns=2)
+    def advantages(self, batch: TrainBatch, ref_logprobs, values, frozen: bool):
+        """(metrics, [B, T] returns) of this shard from the critic group's `values`; the batch, with its advantages,
+        waits for `train_prepared`. `frozen`: the critic is still warming up."""
+        from rlhf_orch.trainer.token_step import advantages
+        if ref_logprobs is not None:
+            batch.ref_logprobs = ref_logprobs
+        returns, m = advantages(self.trainer, batch, values)
+        self._prepared = (batch, frozen)
+        return m, returns.cpu()
+
+    def train_prepared(self, num_tokens_global: float) -> dict:
+        from rlhf_orch.trainer.token_step import policy_update
+        if self._prepared is None:
+            raise TrainerError(f"trainer rank {self.rank}: train_prepared without advantages first")
+        (batch, frozen), self._prepared = self._prepared, None
+        return self._peak(policy_update, self.trainer, batch, num_tokens_global, frozen)
 
     def sft_step(self, batch: TrainBatch, num_tokens_global: float) -> dict:
         return self.trainer.sft_step(batch, num_tokens_global)
@@ -103,10 +126,18 @@ class TrainerActor:
 
     # ---- colocation -----------------------------------------------------------------------------
     def offload_states(self) -> dict:
-        return self.trainer.offload_states()
+        return self._with_critic(self.trainer.offload_states(), "offload_states")
 
     def reload_states(self) -> dict:
-        return self.trainer.reload_states()
+        return self._with_critic(self.trainer.reload_states(), "reload_states")
+
+    def _with_critic(self, m: dict, method: str) -> dict:
+        """A colocated critic moves with the policy: its seconds and GiB add to the policy's."""
+        if self.critic is None:
+            return m
+        for k, v in getattr(self.critic, method)().items():
+            m[f"offload/{k}"] = m.get(f"offload/{k}", 0.0) + v
+        return m
 
     def memory_stats(self, release: bool = False) -> dict:
         """Bytes on this rank's GPU for the colocation plan: the device's total and used (every process), this
@@ -241,6 +272,24 @@ class TrainerGroup:
         results = get([getattr(a, method).remote(*arg) for a, arg in zip(self.actors, args)],
                       self.timeout_s, f"trainer {method}", TrainerError)
         return _average(results)
+
+    def step_with_critic(self, shards: list, tokens: float, extra: list | None, critics, values: tuple,
+                         warmup_steps: int) -> dict:
+        """A token-level step with a critic group of its own (actors/roles.py): `values` is its (step counts and
+        seconds, value references) for `shards`; the ranks compute advantages and returns, then the policy and the critic train
+        at the same time. Metrics: the ranks' averaged, then the critic ranks' averaged."""
+        info, vals = values
+        info = get(info, self.timeout_s, "critic values", TrainerError)
+        frozen = min(i["steps"] for i in info) < warmup_steps
+        prep = [a.advantages.remote(s, e, v, frozen) for a, s, e, v in zip(self.actors, shards, extra or [None] * len(shards), vals)]
+        adv_refs, ret_refs = zip(*prep)
+        critic_refs = critics.train_refs(shards, list(ret_refs), vals, tokens)
+        upd = get([a.train_prepared.remote(tokens) for a in self.actors], self.timeout_s, "trainer train_prepared",
+                  TrainerError)
+        adv = get(list(adv_refs), self.timeout_s, "trainer advantages", TrainerError)
+        out = _average([{**a, **u} for a, u in zip(adv, upd)])
+        critic = _average(get(critic_refs, self.timeout_s, "critic train", TrainerError))
+        return {**out, **critic, "perf/critic_values_s": max(i["seconds"] for i in info)}
 
     def call(self, method: str, *args):
         return self._all(f"trainer {method}", method, *args)

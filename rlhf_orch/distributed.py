@@ -1,4 +1,5 @@
-"""Rendezvous helpers: a TCPStore that listens only on the address it is given, and free ports.
+"""Rendezvous helpers: a TCPStore that listens only on the address it is given, free ports, and joining a
+DeepSpeed rank's process group through that store (`init_rank`).
 
 torch's TCPStore server binds every interface whatever host it is told. We bind the listening
 socket ourselves to the chosen address (loopback on a local run, the node's IP on a cluster) and
@@ -6,9 +7,11 @@ hand it over with `master_listen_fd`, so a run exposes no port beyond the addres
 """
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 _LISTENING: list[socket.socket] = []
@@ -32,3 +35,22 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: t
                           master_listen_fd=sock.fileno())
     _LISTENING.append(sock)   # the store serves on this socket: it must stay open (stores live per process)
     return store
+
+
+def init_rank(rank: int, world_size: int, device: str) -> torch.device:
+    """Join this process's data-parallel group as `rank` of `world_size` (nccl on cuda, gloo on cpu), through our
+    store at MASTER_ADDR:MASTER_PORT (set by the actor shell), and tell DeepSpeed to adopt it. Returns the device
+    the rank computes on (cuda: LOCAL_RANK's GPU of those Ray made visible). Used by every DeepSpeed role: the
+    policy ranks and a critic group of its own."""
+    import deepspeed
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    store = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, rank == 0,
+                      timedelta(minutes=10))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    deepspeed.init_distributed(dist_backend=backend)
+    return dev

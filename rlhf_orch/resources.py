@@ -4,8 +4,8 @@ One bundle per device slot (actors/placement.py builds the placement group from 
 is bundle r, a colocated engine shares a rank's bundle, a dedicated engine has one bundle of
 `tensor_parallel_size` GPUs. On cuda a bundle is {GPU: n, CPU: 1}; on cpu a bundle stands in for a device and
 takes CPU_SLOT logical CPUs, so 2 ranks + 2 engines fit in one core's worth (the configs' ray.num_cpus=2 on a
-2-core machine). Separate reference workers and reward-model workers on cuda ask Ray for one GPU each outside
-the bundles (`outside_gpus`); the GPU count includes them.
+2-core machine). Separate reference workers, separate critic ranks and reward-model workers on cuda ask Ray for one
+GPU each outside the bundles (`outside_gpus`); the GPU count includes them.
 
 `fit_problem` compares the demand with what is offered and says both, in one line naming the fields to change.
 It is called before Ray for a local run (launch.py: the machine's CPUs and GPUs) and right after ray.init for a
@@ -34,12 +34,15 @@ def bundle_resources(cfg) -> list[dict[str, float]]:
     return [{"CPU": CPU_SLOT} for _ in slot_gpus(cfg)]
 
 
-def outside_gpus(cfg) -> dict[str, int]:
-    """GPUs asked for outside the placement group's bundles, by whom: separate reference workers (trainer.device
-    cuda) and reward-model workers (reward.device cuda), one GPU each."""
+def outside_gpus(cfg) -> dict[str, float]:
+    """GPUs asked for outside the placement group's bundles, by whom: separate reference workers and critic ranks
+    (trainer.device cuda; their gpus_per_worker / gpus_per_rank each) and reward-model workers (reward.device cuda, one
+    GPU each)."""
     out = {}
     if cfg.trainer.device == "cuda" and cfg.reference.placement == "separate":
-        out["reference.num_workers"] = cfg.reference.num_workers
+        out["reference.num_workers"] = cfg.reference.num_workers * cfg.reference.gpus_per_worker
+    if cfg.trainer.device == "cuda" and cfg.critic.placement == "separate":   # set only with a critic (checks.py)
+        out["critic.num_ranks"] = cfg.critic.num_ranks * cfg.critic.gpus_per_rank
     if cfg.reward.device == "cuda" and cfg.reward.model_path:
         out["reward.num_workers"] = cfg.reward.num_workers
     return out
@@ -48,7 +51,7 @@ def outside_gpus(cfg) -> dict[str, int]:
 def _demand_words(cfg) -> str:
     dedicated = sum(e.count for e in cfg.engines if e.placement == "dedicated")
     words = f"trainer.num_ranks {cfg.trainer.num_ranks} + {dedicated} dedicated engine{'s' * (dedicated != 1)}"
-    return words + "".join(f" + {n} ({field})" for field, n in outside_gpus(cfg).items())
+    return words + "".join(f" + {n:g} ({field})" for field, n in outside_gpus(cfg).items())
 
 
 def fit_problem(cfg, cpus: float, gpus: float, where: str, largest_node_gpus: float | None = None) -> str | None:
@@ -61,7 +64,7 @@ def fit_problem(cfg, cpus: float, gpus: float, where: str, largest_node_gpus: fl
     if cfg.trainer.device == "cuda":
         if need_gpu > gpus:
             return (f"trainer.num_ranks: the run needs {need_gpu:g} GPUs ({_demand_words(cfg)}, "
-                    f"{' + '.join([str(int(b['GPU'])) for b in bundles] + [str(n) for n in outside_gpus(cfg).values()])})"
+                    f"{' + '.join([str(int(b['GPU'])) for b in bundles] + [format(n, 'g') for n in outside_gpus(cfg).values()])})"
                     f" but {where} has {gpus:g}; {fix}, or run on "
                     "a machine or cluster (ray.address) with more GPUs")
         widest = max(b["GPU"] for b in bundles)

@@ -56,9 +56,6 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
             p.append(f"reference.{sorted(cfg.reference.model_fields_set)[0]}: {algo.name} as configured has no KL "
                      "reference (algorithm.kl_coef is 0 and use_kl_in_reward is false); remove the reference section or "
                      "set algorithm.kl_coef > 0")
-        if algo.needs_critic and cfg.trainer.offload:
-            p.append(f"trainer.offload: {algo.name}'s critic does not offload yet, so it cannot hand its GPU to colocated "
-                     "engines; set trainer.offload: false (and sleep_level: 0) or use a critic-free algorithm")
     p.extend(reward_source_problems(cfg))
     colocated = sum(e.count for e in cfg.engines if e.placement == "colocated")
     if colocated > cfg.trainer.num_ranks:
@@ -154,16 +151,39 @@ def role_problems(cfg: ExperimentConfig, algo) -> list[str]:
         problem = causal_lm_problem(cfg.critic.model_path, policy_vocab_size(cfg))
         if problem:
             p.append(f"critic.model_path: {problem}")
+    if "critic" in algo.roles:
+        p.extend(_critic_placement_problems(cfg))
     if "reference" in algo.roles:
         ref = cfg.reference
-        if ref.placement == "colocated" and "num_workers" in ref.model_fields_set:
-            p.append("reference.num_workers: applies to reference.placement: separate only (a colocated reference is a "
+        apart = sorted({"num_workers", "gpus_per_worker"} & ref.model_fields_set)
+        if ref.placement == "colocated" and apart:
+            p.append(f"reference.{apart[0]}: applies to reference.placement: separate only (a colocated reference is a "
                      "copy inside every policy rank); remove it or set reference.placement: separate")
         elif ref.placement == "separate" and ref.num_workers > cfg.trainer.num_ranks:
             p.append(f"reference.num_workers: {ref.num_workers} workers but a step has only trainer.num_ranks = "
                      f"{cfg.trainer.num_ranks} shards to score, so {ref.num_workers - cfg.trainer.num_ranks} would never "
                      f"work (each holding a whole model, and a GPU on cuda); set it to at most {cfg.trainer.num_ranks}")
     return p
+
+
+def _critic_placement_problems(cfg: ExperimentConfig) -> list[str]:
+    c, t = cfg.critic, cfg.trainer
+    stage = t.zero_stage if c.zero_stage is None else c.zero_stage
+    if c.placement == "colocated":
+        apart = sorted({"num_ranks", "gpus_per_rank"} & c.model_fields_set)
+        if apart:
+            return [f"critic.{apart[0]}: applies to critic.placement: separate only (a colocated critic has one rank "
+                    "inside every policy rank); remove it or set critic.placement: separate"]
+        if t.offload and stage == 0:
+            return ["critic.zero_stage: a colocated critic leaves the GPU with the policy (trainer.offload), which needs "
+                    "a ZeRO optimizer; set critic.zero_stage to 1, 2 or 3, or trainer.offload: false"]
+        return []
+    if t.num_ranks % c.num_ranks:
+        divisors = [d for d in range(1, t.num_ranks + 1) if t.num_ranks % d == 0]
+        return [f"critic.num_ranks: {c.num_ranks} critic ranks cannot share trainer.num_ranks = {t.num_ranks} policy "
+                f"shards evenly (every critic rank must take the same number, for its collectives); use one of "
+                f"{divisors}"]
+    return []
 
 
 def reward_source_problems(cfg: ExperimentConfig) -> list[str]:

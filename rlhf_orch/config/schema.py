@@ -213,8 +213,19 @@ class AlgorithmSection(_Section):
 
 
 class CriticSection(_Section):
-    """The value model of critic-based algorithms (ppo); ignored by the others. One critic rank lives beside
-    each policy rank (same devices, same process group)."""
+    """The value model of critic-based algorithms (ppo); ignored by the others. colocated (default): one critic rank
+    lives beside each policy rank (same devices, same process group) and offloads with it (trainer.offload);
+    separate: a DeepSpeed group of critic.num_ranks ranks of its own (one GPU each on cuda), which trains while the
+    policy trains."""
+    placement: Literal["colocated", "separate"] = Field("colocated", description="colocated: a critic rank inside "
+                                                        "every policy rank; separate: critic.num_ranks ranks of their "
+                                                        "own (their own GPUs on cuda, their own process group).")
+    num_ranks: int = Field(1, ge=1, description="Ranks of a separate critic (data parallel, DeepSpeed ZeRO over them); "
+                           "each takes trainer.num_ranks / num_ranks of the policy's shards, so it must divide "
+                           "trainer.num_ranks.")
+    gpus_per_rank: float = Field(1.0, gt=0, le=1, description="GPU share each separate critic rank asks Ray for "
+                                 "(trainer.device cuda): 0.5 lets a critic rank and a separate reference worker share "
+                                 "one GPU.")
     model_path: str | None = Field(None, description="Causal LM folder the critic starts from (its LM head is replaced "
                                    "by a value head); default: the policy's model.")
     lr: float = Field(1e-3, gt=0, description="The critic's own AdamW learning rate.")
@@ -242,6 +253,8 @@ class ReferenceSection(_Section):
                                                         "logprobs, the policy ranks hold no copy.")
     num_workers: int = Field(1, ge=1, description="Workers of a separate reference (each holds a whole copy and takes "
                              "a share of the policy ranks' shards).")
+    gpus_per_worker: float = Field(1.0, gt=0, le=1, description="GPU share each separate reference worker asks Ray "
+                                   "for (trainer.device cuda): 0.5 lets it share one GPU with a separate critic rank.")
 
 
 class TrainerSection(_Section):

@@ -6,12 +6,14 @@ hidden state of position t-1, so it estimates the return before token t is gener
 that predicts token t's logprob); position 0 holds 0.
 
 `DeepSpeedCritic` is one data-parallel rank of it, with its own DeepSpeed engine, optimizer and learning
-rate, living in the same process as that rank's policy trainer (the process group is the policy's). It
+rate. By default it lives in the same process as a policy rank (the process group is the policy's) and its states
+leave the GPU with the policy's under trainer.offload; with `critic.placement: separate` it is a rank of a critic group
+of its own (actors/roles.py joins that group's process group first) and may serve several policy shards per step. It
 computes values (no grad), takes value-loss steps (verl's clipped loss, aggregated by the global token count
 as the policy's loss is), and saves/loads its checkpoint. It knows no algorithm: PPO (algorithms/ppo.py)
 turns its values into advantages and returns. It cuts a shard into micro-batches as the policy does (rows, or the
 trainer's token budget: forward.Forward) and with `packing` runs each as one packed row (packing.packed_values).
-It does not offload or sync weights to engines.
+It never syncs weights to engines.
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ class DeepSpeedCritic(Forward):
             self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         except Exception as e:
             raise TrainerError(f"critic rank {rank}: DeepSpeed initialisation failed: {type(e).__name__}: {e}") from e
-        self.steps = 0
+        self.steps, self.zero_stage, self.offloaded = 0, zero_stage, False
 
     def _values(self, batch: TrainBatch) -> torch.Tensor:
         if self.packing:
@@ -81,6 +83,7 @@ class DeepSpeedCritic(Forward):
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """[B, T] values of a shard (0 at position 0; garbage at padding: callers mask)."""
+        self._need_states("values")
         self.engine.module.eval()
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         for rows in self._micro_batches(batch):
@@ -91,31 +94,66 @@ class DeepSpeedCritic(Forward):
     def train_step(self, batch: TrainBatch, returns: torch.Tensor, old_values: torch.Tensor,
                    num_tokens_global: float) -> dict[str, float]:
         """One optimizer step of the clipped value loss on this rank's shard; flat `critic/` metrics."""
+        return self.train_parts([(batch, returns, old_values)], num_tokens_global)
+
+    def train_parts(self, parts: list[tuple[TrainBatch, torch.Tensor, torch.Tensor]],
+                    num_tokens_global: float) -> dict[str, float]:
+        """One optimizer step over several (shard, returns, old values): a critic rank of a group of its own serves
+        more than one policy shard; gradients accumulate over all their micro-batches."""
         from rlhf_orch.algorithms.losses import value_loss
+        self._need_states("train")
         self.engine.module.train()
-        mask = batch.response_mask.to(self.device)
-        returns, old_values = returns.to(self.device), old_values.to(self.device)
-        total, clipped = 0.0, 0.0
-        for rows in self._micro_batches(batch):
-            mb, width = trimmed(batch, rows)
-            vpred = self._values(mb)
-            loss, m = value_loss(vpred, old_values[rows, :width], returns[rows, :width], mask[rows, :width],
-                                 self.cliprange_value, num_tokens_global=num_tokens_global)
-            # DeepSpeed averages gradients over ranks; each rank's loss is over the global token count.
-            self.engine.backward(loss * self.vf_coef * self.world_size, scale_wrt_gas=False)
-            total += float(loss.detach())
-            clipped += m["vf_clipfrac"] * float(mask[rows, :width].sum())
+        total, clipped, tokens = 0.0, 0.0, 0.0
+        for batch, returns, old_values in parts:
+            mask = batch.response_mask.to(self.device)
+            returns, old_values = returns.to(self.device), old_values.to(self.device)
+            for rows in self._micro_batches(batch):
+                mb, width = trimmed(batch, rows)
+                vpred = self._values(mb)
+                loss, m = value_loss(vpred, old_values[rows, :width], returns[rows, :width], mask[rows, :width],
+                                     self.cliprange_value, num_tokens_global=num_tokens_global)
+                # DeepSpeed averages gradients over ranks; each rank's loss is over the global token count.
+                self.engine.backward(loss * self.vf_coef * self.world_size, scale_wrt_gas=False)
+                total += float(loss.detach())
+                clipped += m["vf_clipfrac"] * float(mask[rows, :width].sum())
+            tokens += float(mask.sum())
         self.engine.step()
         self.steps += 1
         gn = self.engine.get_global_grad_norm()
-        tokens = float(mask.sum())
         return {"critic/vf_loss": total * self.world_size, "critic/vf_clipfrac": clipped / max(tokens, 1.0),
                 "critic/grad_norm": float(gn) if gn is not None else float("nan")}
 
+    # ---- colocation: the critic's states leave the GPU with the policy's (trainer.offload) ----------------------
+    def _need_states(self, what: str) -> None:
+        if self.offloaded:
+            raise TrainerError(f"critic rank {self.rank}: {what} while its states are offloaded (reload_states first)")
+
+    def offload_states(self) -> dict[str, float]:
+        """Optimizer state, master weights, model partitions and gradients to CPU (trainer/offload.py); a no-op if
+        already offloaded."""
+        from rlhf_orch.trainer import offload
+        if self.offloaded:
+            return {}
+        m = offload.offload(self.engine, self.zero_stage, self.device)
+        self.offloaded = True
+        return m
+
+    def reload_states(self) -> dict[str, float]:
+        from rlhf_orch.trainer import offload
+        if not self.offloaded:
+            return {}
+        self.offloaded = False
+        return offload.reload(self.engine, self.zero_stage, self.device)
+
     def save_checkpoint(self, directory: str, tag: str) -> None:
+        was = self.offloaded   # a checkpoint may come while offloaded (a run failing mid-generate)
+        self.reload_states()
         self.engine.save_checkpoint(directory, tag=tag, client_state={"critic_steps": self.steps}, save_latest=False)
+        if was:
+            self.offload_states()
 
     def load_checkpoint(self, directory: str, tag: str) -> None:
+        self.reload_states()
         if not os.path.isdir(os.path.join(directory, tag)):
             raise TrainerError(f"critic rank {self.rank}: no critic checkpoint {tag!r} in {directory}")
         path, client = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,

@@ -106,21 +106,9 @@ class DeepSpeedTrainer(Forward):
         # Resolved only when packing: the default load (and so the off path) stays exactly as before.
         self.attn = pk.resolve_attn(attn, device) if packing else None
         torch.manual_seed(seed)
-        backend = "nccl" if device == "cuda" else "gloo"
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
-        # Our own store (bound to MASTER_ADDR only, see rlhf_orch/distributed.py); DeepSpeed then
-        # finds the process group initialised and adopts it.
-        from datetime import timedelta
-        import torch.distributed as dist
-        from rlhf_orch.distributed import tcp_store
-        store = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, rank == 0,
-                          timedelta(minutes=10))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-        deepspeed.init_distributed(dist_backend=backend)
+        # Our own store (bound to MASTER_ADDR only, see rlhf_orch/distributed.py); DeepSpeed adopts the group.
+        from rlhf_orch.distributed import init_rank
+        self.device = init_rank(rank, world_size, device)
         config = ds_config(world_size, zero_stage, lr, weight_decay, grad_clip, bf16, bool(micro_batch_size or self.budget))
         try:
             extra = {"attn_implementation": self.attn} if self.attn else {}

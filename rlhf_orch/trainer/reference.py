@@ -9,7 +9,7 @@ shards it is given, which the driver hands to the policy ranks beside their batc
 It runs the policy's own forward code (forward.Forward: the same padded, token-budget or packed micro-batches,
 logprob chunking and temperature) on the same float32 weights, so the logprobs equal the colocated reference's:
 a run with either placement trains the same. Each worker holds a whole copy (data parallel over shards, no
-ZeRO-3 partitioning: a model that does not fit one device whole is not served yet). No Ray: actors/reference.py.
+ZeRO-3 partitioning: a model that does not fit one device whole is not served yet). No Ray: actors/roles.py.
 """
 from __future__ import annotations
 

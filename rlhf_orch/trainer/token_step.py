@@ -2,8 +2,10 @@
 critic), the algorithm's per-token advantages and returns (whitened over all ranks), the policy's update
 (unless the critic is still warming up), then the critic's update (PPO; REINFORCE++ with gamma has no critic).
 
-A function over a policy trainer and a critic living in the same process; the all-reduce is over their
-shared process group. No Ray: actors/trainer.py calls it.
+`token_level_step` runs it all with the critic in the policy rank's process (critic.placement: colocated). With a
+critic group of its own the actor shell calls the parts: `advantages` on values the group computed, then
+`policy_update` while the group trains on the returns. The all-reduce is over the policy ranks' process group.
+No Ray: actors/trainer.py calls it.
 """
 from __future__ import annotations
 
@@ -62,19 +64,22 @@ def _kl_penalised(trainer, batch: TrainBatch, allreduce) -> tuple[torch.Tensor, 
     return rewards, {"kl_ctrl/beta": beta, "kl_ctrl/kl": current}
 
 
-def token_level_step(trainer, critic, warmup_steps: int, batch: TrainBatch, num_tokens_global: float) -> dict[str, float]:
+def advantages(trainer, batch: TrainBatch, values: torch.Tensor | None) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The algorithm's per-token advantages (set on `batch`) and returns from the batch's rewards (KL-penalised
+    when the algorithm keeps KL in the reward) and the critic's `values` (None: no critic); with a critic, verl's
+    value statistics. Every policy rank calls it together (whitening is over all of them)."""
     allreduce = _allreduce(trainer.device)
     mask = batch.response_mask.to(trainer.device)
-    values = critic.values(batch) if critic is not None else None
+    if values is not None:
+        values = values.to(trainer.device)   # a critic group's values come over Ray, on the CPU
     rewards, m = batch.rewards, {}
     if trainer.algo.kl_in_reward:
         rewards, m = _kl_penalised(trainer, batch, allreduce)
     adv, returns, am = trainer.algo.token_advantages(rewards, values, mask, allreduce)
     m.update(am)
     batch.advantages = adv.cpu()
-    if critic is None:
-        m.update(trainer.train_step(batch, num_tokens_global))
-        return m
+    if values is None:
+        return returns, m
     m["critic/explained_var"] = explained_variance(values, returns, mask, allreduce)
     m["critic/vf_explained_var"] = m["critic/explained_var"]          # verl's name for it
     m["critic/values_mean"] = float((values * mask).sum() / mask.sum().clamp(min=1))
@@ -82,13 +87,25 @@ def token_level_step(trainer, critic, warmup_steps: int, batch: TrainBatch, num_
     # verl's values/returns max and min, over every rank's response tokens (every rank reports the same numbers).
     m["critic/values_max"], m["critic/values_min"] = masked_extrema(values, mask, allreduce.max)
     m["critic/returns_max"], m["critic/returns_min"] = masked_extrema(returns, mask, allreduce.max)
-    if critic.steps >= warmup_steps:
-        m.update(trainer.train_step(batch, num_tokens_global))
-    else:
-        # The policy waits for the critic (verl's critic_warmup); the engine/trainer logprob check still runs.
-        lp = trainer.logprobs(batch)
-        diff = (lp - batch.engine_logprobs).abs() * batch.response_mask
-        m.update({"train/logprob_diff_sum": float(diff.sum()), "train/logprob_diff_max": float(diff.max()),
-                  "train/tokens": float(batch.response_mask.sum()), "train/policy_frozen": 1.0})
-    m.update(critic.train_step(batch, returns, values, num_tokens_global))
+    return returns, m
+
+
+def policy_update(trainer, batch: TrainBatch, num_tokens_global: float, frozen: bool) -> dict[str, float]:
+    """The policy's step on the advantages `advantages` set; `frozen` (the critic still warming up, verl's
+    critic_warmup): no step, only the engine/trainer logprob check."""
+    if not frozen:
+        return trainer.train_step(batch, num_tokens_global)
+    lp = trainer.logprobs(batch)
+    diff = (lp - batch.engine_logprobs).abs() * batch.response_mask
+    return {"train/logprob_diff_sum": float(diff.sum()), "train/logprob_diff_max": float(diff.max()),
+            "train/tokens": float(batch.response_mask.sum()), "train/policy_frozen": 1.0}
+
+
+def token_level_step(trainer, critic, warmup_steps: int, batch: TrainBatch, num_tokens_global: float) -> dict[str, float]:
+    """The whole step with the critic (if any) in this process: values, advantages, policy, critic."""
+    values = critic.values(batch) if critic is not None else None
+    returns, m = advantages(trainer, batch, values)
+    m.update(policy_update(trainer, batch, num_tokens_global, critic is not None and critic.steps < warmup_steps))
+    if critic is not None:
+        m.update(critic.train_step(batch, returns, values, num_tokens_global))
     return m

@@ -86,7 +86,9 @@ def test_config_errors_name_the_field(tmp_path):
             "seq-mean-token-mean, seq-mean-token-sum-norm") in _problems(tmp_path, "algorithm.loss_agg_mode=seq-sum")
     assert "algorithm.loss_norm_len" in _problems(tmp_path, "algorithm.loss_agg_mode=seq-mean-token-sum-norm")
     assert "algorithm.name: unknown algorithm 'dpo'" in _problems(tmp_path, "algorithm.name=dpo")
-    assert "critic does not offload" in _problems(tmp_path, "algorithm.name=ppo", "trainer.offload=true")
+    # The colocated critic offloads with the policy now; only a critic without a ZeRO optimizer cannot.
+    assert "critic.zero_stage: a colocated critic leaves the GPU" in _problems(
+        tmp_path, "algorithm.name=ppo", "trainer.offload=true", "critic.zero_stage=0")
 
 
 def test_reinforce_pp_with_gamma_is_one_module():

@@ -199,3 +199,40 @@ def test_ppo_without_a_reward_source(capsys, tmp_path, overrides, start):
 def test_kl_reference_that_its_settings_make_unusable(capsys, tmp_path, overrides, start, fix):
     msg = one_error(capsys, tmp_path, "algorithm.name=ppo", "algorithm.kl_coef=0.05", *overrides)
     assert msg.startswith(start) and fix in msg, msg
+
+
+@pytest.mark.parametrize("overrides, start, fix", [
+    (["trainer.num_ranks=2", "critic.placement=separate", "critic.num_ranks=3"],
+     "critic.num_ranks: 3 critic ranks cannot share trainer.num_ranks = 2 policy shards evenly", "use one of [1, 2]"),
+    (["critic.num_ranks=2"], "critic.num_ranks: applies to critic.placement: separate only",
+     "remove it or set critic.placement: separate"),
+    (["trainer.offload=true", "critic.zero_stage=0"], "critic.zero_stage: a colocated critic leaves the GPU with the "
+     "policy (trainer.offload), which needs a ZeRO optimizer", "set critic.zero_stage to 1, 2 or 3"),
+])
+def test_critic_placement_that_cannot_work(capsys, tmp_path, overrides, start, fix):
+    msg = one_error(capsys, tmp_path, "algorithm.name=ppo", *overrides)
+    assert msg.startswith(start) and fix in msg, msg
+
+
+def test_a_separate_critic_counts_its_gpus(capsys, tmp_path):
+    import torch
+    have = torch.cuda.device_count()
+    msg = one_error(capsys, tmp_path, "algorithm.name=ppo", "trainer.device=cuda", "critic.placement=separate",
+                    f"critic.num_ranks={have + 1}", f"trainer.num_ranks={have + 1}", "ray.num_cpus=64")
+    assert msg.startswith(f"trainer.num_ranks: the run needs {2 * have + 3} GPUs (trainer.num_ranks {have + 1} + "
+                          f"1 dedicated engine + {have + 1} (critic.num_ranks)"), msg
+
+
+def test_critic_and_reference_halves_share_one_gpu():
+    from rlhf_orch.resources import fit_problem
+    cfg = load_config(ROOT / "configs/ppo_2gpu.yaml", [])
+    assert fit_problem(cfg, 16, 2, "two GPUs") is None   # policy + engine on one, critic and reference halves on the other
+    msg = fit_problem(cfg, 16, 1, "one GPU")
+    assert msg.startswith("trainer.num_ranks: the run needs 2 GPUs") and "+ 0.5 (critic.num_ranks)" in msg, msg
+    whole = load_config(ROOT / "configs/ppo_2gpu.yaml", ["critic.gpus_per_rank=1"])
+    assert "needs 2.5 GPUs" in fit_problem(whole, 16, 2, "two GPUs")
+
+
+def test_a_gpu_share_for_a_colocated_critic_is_refused(capsys, tmp_path):
+    msg = one_error(capsys, tmp_path, "algorithm.name=ppo", "critic.gpus_per_rank=0.5")
+    assert msg.startswith("critic.gpus_per_rank: applies to critic.placement: separate only"), msg

@@ -1,0 +1,59 @@
+"""The critic role in both placements, end to end on CPU (real Ray actors, real DeepSpeed over gloo), against PPO
+numbers recorded before either existed (tests/data/tiny_cpu_ppo_6steps_baseline.json: main 6ea03d5, the critic inside
+every policy rank, one critic warm-up step), to 1e-6, sync digests included:
+
+- colocated, with trainer.offload: the critic's states now leave the "GPU" with the policy's at every hand-over to
+  the engines (on CPU a CPU-to-CPU move: the bookkeeping is exercised, the numbers must not move);
+- separate: a critic group of two ranks of its own (its own process group and DeepSpeed engine) computes the values
+  of each policy shard and trains while the policy ranks train; stopped after step 3 and resumed to step 6, so its
+  checkpoint (inside the policy's) is written and loaded too.
+"""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+import launch  # noqa: E402
+
+pytestmark = pytest.mark.integration
+QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
+COMMON = ["reward.function=tests.ppo_rewards:starts_with_odd_digit", "critic.warmup_steps=1", *QUIET]
+BASE = json.loads((ROOT / "tests/data/tiny_cpu_ppo_6steps_baseline.json").read_text())
+
+
+def _run(tmp_path, name, steps, *extra):
+    assert launch.main(["--config", str(ROOT / "configs/tiny_cpu_ppo.yaml"), f"experiment.output_dir={tmp_path}",
+                        f"experiment.name={name}", f"experiment.steps={steps}", *COMMON, *extra]) == 0
+    return [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same_as_recorded(records):
+    assert [r["step"] for r in records] == [s["step"] for s in BASE["steps"]]
+    for want, got in zip(BASE["steps"], records):
+        assert set(want) - {"step"} <= set(got), sorted(set(want) - set(got))
+        for key in set(want) - {"step"}:
+            assert abs(want[key] - got[key]) <= 1e-6, (want["step"], key, want[key], got[key])
+    assert records[0]["train/policy_frozen"] == 1.0 and "train/policy_frozen" not in records[1]   # the warm-up step
+
+
+def test_colocated_critic_offloads_with_the_policy_and_trains_as_before(tmp_path):
+    records = _run(tmp_path, "coloc", 6, "trainer.offload=true")
+    _same_as_recorded(records)
+    assert all(r["colocate/offload_s"] > 0 and r["colocate/reload_s"] > 0 for r in records[1:])
+    assert not any("perf/critic_train_s" in r for r in records)   # no critic group: the critic is in the ranks
+
+
+def test_separate_critic_group_trains_as_the_colocated_one_and_resumes(tmp_path):
+    apart = ["critic.placement=separate", "critic.num_ranks=2"]
+    _run(tmp_path, "apart", 3, *apart)
+    ckpt = tmp_path / "apart" / "checkpoints" / "step3"
+    assert (ckpt / "critic").is_dir() and any((ckpt / "critic").iterdir())   # the group's own DeepSpeed checkpoint
+    records = _run(tmp_path, "apart", 6, *apart, "resume=true")
+    _same_as_recorded(records)
+    # The group's own timings: its value pass and its step (beside the policy's), every step.
+    assert all(r["perf/critic_values_s"] > 0 and r["perf/critic_train_s"] > 0 for r in records)
+    summary = json.loads((tmp_path / "apart" / "summary.json").read_text())
+    assert summary["resumed_from"] == 3 and summary["status"] == "finished"
