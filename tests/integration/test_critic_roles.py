@@ -6,9 +6,12 @@ every policy rank, one critic warm-up step), to 1e-6, sync digests included:
   the engines (on CPU a CPU-to-CPU move: the bookkeeping is exercised, the numbers must not move);
 - separate: a critic group of two ranks of its own (its own process group and DeepSpeed engine) computes the values
   of each policy shard and trains while the policy ranks train; stopped after step 3 and resumed to step 6, so its
-  checkpoint (inside the policy's) is written and loaded too.
+  checkpoint (inside the policy's) is written and loaded too;
+- separate, with critic rank 1's process killed (SIGKILL) after step 4: the run restarts itself from its step-4
+  checkpoint and ends on the recorded numbers.
 """
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -16,7 +19,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
 import launch  # noqa: E402
+from test_engine_faults import _fault_at  # noqa: E402
 
 pytestmark = pytest.mark.integration
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
@@ -57,3 +62,15 @@ def test_separate_critic_group_trains_as_the_colocated_one_and_resumes(tmp_path)
     assert all(r["perf/critic_values_s"] > 0 and r["perf/critic_train_s"] > 0 for r in records)
     summary = json.loads((tmp_path / "apart" / "summary.json").read_text())
     assert summary["resumed_from"] == 3 and summary["status"] == "finished"
+
+
+def test_killed_critic_rank_restarts_the_run_from_its_checkpoint_exactly(tmp_path):
+    info = {}
+    killer = _fault_at(tmp_path / "kill", 4, signal.SIGKILL, "-critic-1", info)
+    records = _run(tmp_path, "kill", 6, "critic.placement=separate", "critic.num_ranks=2", "trainer.checkpoint_every=2")
+    killer.join(timeout=5)
+    assert info.get("pid") and "error" not in info, info
+    _same_as_recorded(records)
+    summary = json.loads((tmp_path / "kill" / "summary.json").read_text())
+    [restart] = summary["run_restarts"]
+    assert "critic" in restart["error"] and summary["resumed_from"] >= 2 and summary["status"] == "finished", summary
