@@ -276,12 +276,13 @@ class TrainerGroup:
     def step_with_critic(self, shards: list, tokens: float, extra: list | None, critics, values: tuple,
                          warmup_steps: int) -> dict:
         """A token-level step with a critic group of its own (actors/roles.py): `values` is its (step counts and
-        seconds, value references) for `shards`; the ranks compute advantages and returns, then the policy and the critic train
-        at the same time. Metrics: the ranks' averaged, then the critic ranks' averaged."""
+        seconds, value references) for `shards`; the ranks compute advantages and returns, then the policy and the
+        critic train at the same time. Metrics: the ranks' averaged, then the critic ranks' averaged."""
         info, vals = values
         info = get(info, self.timeout_s, "critic values", TrainerError)
         frozen = min(i["steps"] for i in info) < warmup_steps
-        prep = [a.advantages.remote(s, e, v, frozen) for a, s, e, v in zip(self.actors, shards, extra or [None] * len(shards), vals)]
+        extra = extra or [None] * len(shards)
+        prep = [a.advantages.remote(s, e, v, frozen) for a, s, e, v in zip(self.actors, shards, extra, vals)]
         adv_refs, ret_refs = zip(*prep)
         critic_refs = critics.train_refs(shards, list(ret_refs), vals, tokens)
         upd = get([a.train_prepared.remote(tokens) for a in self.actors], self.timeout_s, "trainer train_prepared",
