@@ -83,7 +83,7 @@ class WeightSyncCoordinator:
             refs.append(self.engines[name].setup_receiver.remote(self.layouts, g, rank, self.verify, self.timeout_s,
                                                                  self.replay))
         handles = self._get(refs, "weight-sync group creation and warm-up")[:len(self.trainers)]
-        # Colocated engines that stream open their rank's two buffers once and give it their mailbox.
+        # Colocated engines that stream open their rank's ring buffers once and give it their mailbox.
         connect = [(rank, e) for rank, es in self.plan.ipc_targets.items() for e in es if streams[e]]
         boxes = self._get([self.engines[e].connect_stream.remote(handles[rank], self.timeout_s) for rank, e in connect],
                           "engines to open the trainer's ipc buffers")

@@ -1,6 +1,6 @@
 """A shared-memory mailbox between a trainer rank and one colocated engine: the `ipc` sync without an RPC per bucket.
 
-The sender packs bucket k into ring slot k % 2 of its own device buffers (whose IPC handles the receiver opened
+The sender packs bucket k into ring slot k % SLOTS of its own device buffers (whose IPC handles the receiver opened
 once, at setup). Before this module, each bucket then cost a Ray call to the engine actor plus a call into the
 engine's worker (~1-2 ms each way), so a sync of 64 buckets paid ~100 ms of round trips for ~10 ms of copying.
 Now the receiver runs one long call per sync that loops over the buckets, and the two sides hand buckets over
@@ -32,7 +32,12 @@ import numpy as np
 
 from rlhf_orch.errors import WeightSyncError
 
-SLOTS = 2
+# Ring depth: buckets the sender may have handed over and not yet had back. 3, not double buffering: colocated
+# 8B-shaped syncs into vLLM 30.8-32.6 -> 27.9 ms, 1B 6.2 -> 5.5 ms on one H200; 4 and 8 gained nothing more
+# (bench/RESULTS.md, 2026-11-26). Costs one more bucket of the trainer's GPU memory. Both sides must agree, so it
+# is read once per process from the environment, which engines inherit from the driver; RLHF_ORCH_SYNC_SLOTS is
+# for re-running that benchmark (a receiver given another count of buffers refuses them, naming both).
+SLOTS = int(os.environ.get("RLHF_ORCH_SYNC_SLOTS", "3"))
 _FAILED, _PID, _SPID, _READY = 0, 1, 2, 3
 _DONE = _READY + SLOTS
 _SUMS = _DONE + SLOTS

@@ -127,7 +127,8 @@ class WeightReceiver:
     def connect_stream(self, buffer_handles: Sequence[IpcHandle], timeout_s: float) -> bytes:
         """Open the sender's ring buffers once and make the mailbox; returns its handle for the sender."""
         if len(buffer_handles) != SLOTS:
-            raise ValueError(f"a stream needs {SLOTS} sender buffers, got {len(buffer_handles)}")
+            raise ValueError(f"a stream needs {SLOTS} sender buffers, got {len(buffer_handles)}: the trainer and this "
+                             "engine read RLHF_ORCH_SYNC_SLOTS differently; unset it or set it alike for both")
         self._stream_bufs = [open_handle(h) for h in buffer_handles]
         self.mailbox = Mailbox.create(self._firsts[-1])
         self.timeout_s = float(timeout_s)

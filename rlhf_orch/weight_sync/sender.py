@@ -1,16 +1,19 @@
-"""Trainer side of a sync: pack named tensors into double-buffered buckets and send each one.
+"""Trainer side of a sync: pack named tensors into a ring of bucket buffers and send each one.
 
 The named-tensor iterator must keep each bucket's tensors valid until the first tensor of the next
 bucket is requested (`DeepSpeedTrainer.iter_named_tensors(groups)` gathers ZeRO-3 partitions bucket
 by bucket for exactly this reason).
 
-One `WeightSender` lives in every trainer rank. Per bucket k it packs into buffer k % 2, then
-(rank 0, if any engine uses broadcast) starts an asynchronous broadcast of the bucket and (any rank
-that shares its device with engines) hands each such engine an IPC handle of the buffer. Before a
-buffer is packed again (bucket k + 2) the sender waits for that buffer's broadcast and for every
-engine's acknowledgement, so packing bucket k + 1 overlaps the transfer and load of bucket k.
+One `WeightSender` lives in every trainer rank. Per bucket k it packs into buffer k % SLOTS (mailbox.py:
+3 buffers of bucket_size_mb each), then (rank 0, if any engine uses broadcast) starts an asynchronous
+broadcast of the bucket and (any rank that shares its device with engines) hands each such engine an IPC
+handle of the buffer. Before a buffer is packed again (bucket k + SLOTS) the sender waits for that buffer's
+broadcast and for every engine's acknowledgement, so packing runs up to SLOTS - 1 buckets ahead of the
+transfers and loads. (A third buffer made colocated syncs 10-13% faster than double buffering on one H200:
+the trainer's and the engine's kernels share the GPU, and the deeper ring keeps one side's work queued while
+the other hands a bucket over; bench/RESULTS.md, 2026-11-26.)
 
-An ipc engine is fed one of two ways. A *stream* engine (ours: hf, vLLM) opened both buffers once and gave us
+An ipc engine is fed one of two ways. A *stream* engine (ours: hf, vLLM) opened every buffer once and gave us
 its mailbox (`attach_mailbox`): per bucket we publish the bucket's sequence number and checksums into the
 mailbox and, before refilling a buffer, wait for the engine's acknowledgement there (microseconds; see
 mailbox.py). Any other ipc engine (SGLang) gets each bucket's handle by a call, injected as `deliver`/`wait`
