@@ -179,7 +179,8 @@ class KLControlSection(_Section):
 
 class AlgorithmSection(_Section):
     name: str = Field("grpo", description="Algorithm (rlhf_orch/algorithms/, one module each): grpo, rloo, reinforce_pp "
-                      "(group baselines, no critic) or ppo (a critic and GAE; see the critic section).")
+                      "(group baselines, no critic), reinforce_pp_gamma (discounted returns, no critic) or ppo (a "
+                      "critic and GAE; see the critic section).")
     group_size: int = Field(8, ge=1, description="Samples per prompt (n).")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (low side).")
     clip_eps_high: float | None = Field(None, gt=0, description="Upper clip range (default: clip_eps).")
