@@ -183,5 +183,11 @@ def start_role_groups(cfg, name: str, env: dict, timeout_s: float, model_path: s
                                cfg.reference.gpus_per_worker)
     if "critic" in roles and cfg.critic.placement == "separate":
         critics = RoleGroup("critic", cfg.critic.num_ranks, device, name, env, timeout_s, cfg.critic.gpus_per_rank)
-        critics.load(cfg.critic.model_path or model_path, critic_kwargs(cfg, colocated=False))
+        try:
+            critics.load(cfg.critic.model_path or model_path, critic_kwargs(cfg, colocated=False))
+        except BaseException:   # the caller never sees these groups, so it could not stop them
+            for group in (references, critics):
+                for a in group.actors if group else []:
+                    ray.kill(a)
+            raise
     return references, critics
