@@ -4,8 +4,8 @@ One bundle per device slot (actors/placement.py builds the placement group from 
 is bundle r, a colocated engine shares a rank's bundle, a dedicated engine has one bundle of
 `tensor_parallel_size` GPUs. On cuda a bundle is {GPU: n, CPU: 1}; on cpu a bundle stands in for a device and
 takes CPU_SLOT logical CPUs, so 2 ranks + 2 engines fit in one core's worth (the configs' ray.num_cpus=2 on a
-2-core machine). Separate reference workers, separate critic ranks and reward-model workers on cuda ask Ray for one
-GPU each outside the bundles (`outside_gpus`); the GPU count includes them.
+2-core machine). Separate reference workers, separate critic ranks (a GPU or a share of one each) and reward-model
+workers (one GPU each) on cuda ask Ray outside the bundles (`outside_gpus`); the GPU count includes them.
 
 `fit_problem` compares the demand with what is offered and says both, in one line naming the fields to change.
 It is called before Ray for a local run (launch.py: the machine's CPUs and GPUs) and right after ray.init for a
@@ -63,8 +63,8 @@ def fit_problem(cfg, cpus: float, gpus: float, where: str, largest_node_gpus: fl
            "devices with placement: colocated")
     if cfg.trainer.device == "cuda":
         if need_gpu > gpus:
-            return (f"trainer.num_ranks: the run needs {need_gpu:g} GPUs ({_demand_words(cfg)}, "
-                    f"{' + '.join([str(int(b['GPU'])) for b in bundles] + [format(n, 'g') for n in outside_gpus(cfg).values()])})"
+            parts = [str(int(b["GPU"])) for b in bundles] + [format(n, "g") for n in outside_gpus(cfg).values()]
+            return (f"trainer.num_ranks: the run needs {need_gpu:g} GPUs ({_demand_words(cfg)}, {' + '.join(parts)})"
                     f" but {where} has {gpus:g}; {fix}, or run on "
                     "a machine or cluster (ray.address) with more GPUs")
         widest = max(b["GPU"] for b in bundles)
