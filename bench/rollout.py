@@ -4,7 +4,7 @@
     python bench/rollout.py --prompts 64 --max-tokens 64 --repeats 5  # a quick check
     python bench/rollout.py --dry-run --repeats 3                     # CPU smoke of the script (hf engine)
 
-Target 7 of the GitHub issue ("rollout overhead"): our engine actor's tokens/s >= 0.97x bare vLLM on the same
+Target 7 of issue #16 ("rollout overhead"): our engine actor's tokens/s >= 0.97x bare vLLM on the same
 batch, over >= 5 interleaved repeats with the spread reported. Rounds of bare vLLM alone spread 12.5-16.7 s on an
 H200, far more than the 3% effect, so the two sides' rounds are interleaved: a drift of the machine hits both.
 
