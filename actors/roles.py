@@ -78,14 +78,11 @@ class RoleActor:
         old values (k of each). Adds `perf/critic_train_s` and on CUDA `mem/critic_peak_gb_max` (this rank's
         allocator peak over the step: the critic group's memory, which the policy ranks' readings no longer
         include)."""
-        from rlhf_orch.gpu_memory import peak_reserved_gb, reset_peak
-        critic, t0 = self._ready(), time.perf_counter()
-        reset_peak(critic.device)
-        k = len(parts) // 3
-        m = critic.train_parts(list(zip(parts[:k], parts[k:2 * k], parts[2 * k:])), num_tokens_global)
-        m["perf/critic_train_s"] = time.perf_counter() - t0
-        peak = peak_reserved_gb(critic.device)
-        return m if peak is None else {**m, "mem/critic_peak_gb_max": peak}
+        from rlhf_orch.gpu_memory import with_peak
+        critic, t0, k = self._ready(), time.perf_counter(), len(parts) // 3
+        m = with_peak(critic.device, "mem/critic_peak_gb_max", critic.train_parts,
+                      list(zip(parts[:k], parts[k:2 * k], parts[2 * k:])), num_tokens_global)
+        return {**m, "perf/critic_train_s": time.perf_counter() - t0}
 
     def save_checkpoint(self, directory: str, tag: str) -> None:
         self._ready().save_checkpoint(directory, tag)
@@ -137,13 +134,13 @@ class RoleGroup:
     def values_refs(self, shards: list) -> tuple[list, list]:
         """Critic: (each rank's {"steps", "seconds"}, one object reference of [B, T] values per shard), not waited
         for: the caller waits on the small first values."""
-        steps, out = [], [None] * len(shards)
+        info, out = [], [None] * len(shards)
         for actor, share in zip(self.actors, self._shares(len(shards))):
             refs = actor.values.options(num_returns=1 + len(share)).remote(*[shards[i] for i in share])
-            steps.append(refs[0])
+            info.append(refs[0])
             for i, ref in zip(share, refs[1:]):
                 out[i] = ref
-        return steps, out
+        return info, out
 
     def train_refs(self, shards: list, returns: list, values: list, num_tokens_global: float) -> list:
         """Critic: start every rank's value-loss step on its shards (object references); returns their metrics'

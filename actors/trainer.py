@@ -45,7 +45,7 @@ class TrainerActor:
         self.critic, self._prepared = None, None
         if self.trainer.algo.needs_critic and critic is not None:   # critic.placement colocated: in this process
             from rlhf_orch.trainer.critic import DeepSpeedCritic
-            c = dict(critic or {})
+            c = dict(critic)
             self.critic_warmup = c.pop("warmup_steps", 0)
             self.critic = DeepSpeedCritic(c.pop("model_path") or model_path, self.rank, self.world_size,
                                           device=self.trainer.device, **c)
@@ -76,11 +76,8 @@ class TrainerActor:
         return self._peak(self.trainer.train_step, batch, num_tokens_global)
 
     def _peak(self, fn, *args) -> dict:
-        from rlhf_orch.gpu_memory import peak_reserved_gb, reset_peak
-        reset_peak(self.trainer.device)
-        m = fn(*args)
-        peak = peak_reserved_gb(self.trainer.device)
-        return m if peak is None else {**m, "mem/trainer_peak_gb_max": peak}
+        from rlhf_orch.gpu_memory import with_peak
+        return with_peak(self.trainer.device, "mem/trainer_peak_gb_max", fn, *args)
 
     # A critic group of its own (critic.placement: separate): the step in two calls, so the group trains on the
     # returns while this rank trains the policy.
@@ -136,7 +133,7 @@ class TrainerActor:
         if self.critic is None:
             return m
         for k, v in getattr(self.critic, method)().items():
-            m[f"offload/{k}"] = m.get(f"offload/{k}", 0.0) + v
+            m[k] = m.get(k, 0.0) + v
         return m
 
     def memory_stats(self, release: bool = False) -> dict:

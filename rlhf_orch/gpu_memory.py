@@ -40,6 +40,15 @@ def peak_reserved_gb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_reserved(device) / 2**30
 
 
+def with_peak(device: torch.device, key: str, fn, *args) -> dict:
+    """`fn(*args)`'s metrics, plus on CUDA `key`: the most this process's allocator held from the device during
+    the call (a train step's peak, GiB)."""
+    reset_peak(device)
+    m = fn(*args)
+    peak = peak_reserved_gb(device)
+    return m if peak is None else {**m, key: peak}
+
+
 def stats(device: torch.device, release: bool = False) -> dict[str, int]:
     """Bytes: the device's total and used (all processes), this process's allocated/reserved and their peaks since
     the last reset. `release` first returns the allocator's free cached blocks to the device (a process at rest then

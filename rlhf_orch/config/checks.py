@@ -155,25 +155,32 @@ def role_problems(cfg: ExperimentConfig, algo) -> list[str]:
         p.extend(_critic_placement_problems(cfg))
     if "reference" in algo.roles:
         ref = cfg.reference
-        apart = sorted({"num_workers", "gpus_per_worker"} & ref.model_fields_set)
-        if ref.placement == "colocated" and apart:
-            p.append(f"reference.{apart[0]}: applies to reference.placement: separate only (a colocated reference is a "
-                     "copy inside every policy rank); remove it or set reference.placement: separate")
-        elif ref.placement == "separate" and ref.num_workers > cfg.trainer.num_ranks:
+        p.extend(_separate_only("reference", ref, {"num_workers", "gpus_per_worker"},
+                                "a colocated reference is a copy inside every policy rank"))
+        if ref.placement == "separate" and ref.num_workers > cfg.trainer.num_ranks:
             p.append(f"reference.num_workers: {ref.num_workers} workers but a step has only trainer.num_ranks = "
                      f"{cfg.trainer.num_ranks} shards to score, so {ref.num_workers - cfg.trainer.num_ranks} would never "
                      f"work (each holding a whole model, and a GPU on cuda); set it to at most {cfg.trainer.num_ranks}")
     return p
 
 
+def _separate_only(name: str, section, fields: set[str], colocated_is: str) -> list[str]:
+    """A role's fields that only its separate placement uses, set while it is colocated (the first, by name)."""
+    apart = sorted(fields & section.model_fields_set)
+    if section.placement != "colocated" or not apart:
+        return []
+    return [f"{name}.{apart[0]}: applies to {name}.placement: separate only ({colocated_is}); remove it or set "
+            f"{name}.placement: separate"]
+
+
 def _critic_placement_problems(cfg: ExperimentConfig) -> list[str]:
     c, t = cfg.critic, cfg.trainer
     stage = t.zero_stage if c.zero_stage is None else c.zero_stage
     if c.placement == "colocated":
-        apart = sorted({"num_ranks", "gpus_per_rank"} & c.model_fields_set)
+        apart = _separate_only("critic", c, {"num_ranks", "gpus_per_rank"},
+                               "a colocated critic has one rank inside every policy rank")
         if apart:
-            return [f"critic.{apart[0]}: applies to critic.placement: separate only (a colocated critic has one rank "
-                    "inside every policy rank); remove it or set critic.placement: separate"]
+            return apart
         if t.offload and stage == 0:
             return ["critic.zero_stage: a colocated critic leaves the GPU with the policy (trainer.offload), which needs "
                     "a ZeRO optimizer; set critic.zero_stage to 1, 2 or 3, or trainer.offload: false"]

@@ -27,6 +27,7 @@ from rlhf_orch.trainer import packing as pk
 from rlhf_orch.trainer.batch import trimmed
 from rlhf_orch.trainer.deepspeed_trainer import ds_config
 from rlhf_orch.trainer.forward import Forward
+from rlhf_orch.trainer.offload import Offloadable
 from rlhf_orch.types import TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,9 @@ class ValueModel(torch.nn.Module):
         return torch.nn.functional.pad(v[:, :-1], (1, 0))           # position t: the value before token t
 
 
-class DeepSpeedCritic(Forward):
+class DeepSpeedCritic(Forward, Offloadable):
+    role = "critic"   # offload.Offloadable: moves with its policy rank under trainer.offload (colocated)
+
     def __init__(self, model_path: str, rank: int, world_size: int, *, device: torch.device, zero_stage: int,
                  lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0, bf16: bool = False, seed: int = 0,
                  micro_batch_size: int = 0, cliprange_value: float = 0.5, gradient_checkpointing: bool = False,
@@ -123,34 +126,9 @@ class DeepSpeedCritic(Forward):
         return {"critic/vf_loss": total * self.world_size, "critic/vf_clipfrac": clipped / max(tokens, 1.0),
                 "critic/grad_norm": float(gn) if gn is not None else float("nan")}
 
-    # ---- colocation: the critic's states leave the GPU with the policy's (trainer.offload) ----------------------
-    def _need_states(self, what: str) -> None:
-        if self.offloaded:
-            raise TrainerError(f"critic rank {self.rank}: {what} while its states are offloaded (reload_states first)")
-
-    def offload_states(self) -> dict[str, float]:
-        """Optimizer state, master weights, model partitions and gradients to CPU (trainer/offload.py); a no-op if
-        already offloaded."""
-        from rlhf_orch.trainer import offload
-        if self.offloaded:
-            return {}
-        m = offload.offload(self.engine, self.zero_stage, self.device)
-        self.offloaded = True
-        return m
-
-    def reload_states(self) -> dict[str, float]:
-        from rlhf_orch.trainer import offload
-        if not self.offloaded:
-            return {}
-        self.offloaded = False
-        return offload.reload(self.engine, self.zero_stage, self.device)
-
     def save_checkpoint(self, directory: str, tag: str) -> None:
-        was = self.offloaded   # a checkpoint may come while offloaded (a run failing mid-generate)
-        self.reload_states()
-        self.engine.save_checkpoint(directory, tag=tag, client_state={"critic_steps": self.steps}, save_latest=False)
-        if was:
-            self.offload_states()
+        with self._states_loaded():
+            self.engine.save_checkpoint(directory, tag=tag, client_state={"critic_steps": self.steps}, save_latest=False)
 
     def load_checkpoint(self, directory: str, tag: str) -> None:
         self.reload_states()

@@ -22,7 +22,6 @@ model FLOPs over the device's peak) where the device's peak is known.
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
@@ -38,6 +37,7 @@ from rlhf_orch.metrics.flops import ModelFlops, device_peak_flops
 from rlhf_orch.trainer import packing as pk
 from rlhf_orch.trainer.batch import trimmed
 from rlhf_orch.trainer.forward import Forward
+from rlhf_orch.trainer.offload import Offloadable
 from rlhf_orch.types import ParamSpec, TrainBatch, dtype_from_name
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-class DeepSpeedTrainer(Forward):
+class DeepSpeedTrainer(Forward, Offloadable):
     def __init__(self, model_path: str, rank: int, world_size: int, *, device: str = "cpu", zero_stage: int = 2,
                  lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float = 1.0, bf16: bool = False,
                  algorithm: dict | None = None, temperature: float = 1.0, ppo_epochs: int = 1, seed: int = 0,
@@ -297,51 +297,20 @@ class DeepSpeedTrainer(Forward):
         self.engine.step()
         return {"warm_start/loss": total}
 
-    # ---- colocation -------------------------------------------------------------------------------
-    def offload_states(self) -> dict[str, float]:
-        """Optimizer state, master weights, model partitions and gradients to CPU (see offload.py);
-        the reference model too. Returns `offload/` metrics; a no-op if already offloaded."""
-        from rlhf_orch.trainer import offload
-        if self.offloaded:
-            return {}
+    # ---- colocation (offload.Offloadable moves the engine's states; the frozen reference moves with them) ------
+    def _before_offload(self) -> None:
         if self._ref_host is not None:
             for t in self._ref_tensors():
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-        m = offload.offload(self.engine, self.zero_stage, self.device)
-        self.offloaded = True
-        return {f"offload/{k}": v for k, v in m.items()}
 
-    def reload_states(self) -> dict[str, float]:
-        from rlhf_orch.trainer import offload
-        if not self.offloaded:
-            return {}
-        m = offload.reload(self.engine, self.zero_stage, self.device)
+    def _after_reload(self) -> None:
         if self._ref_host is not None:
             for t, host in zip(self._ref_tensors(), self._ref_host):
                 t.data = host.to(self.device, non_blocking=True)
             torch.cuda.synchronize(self.device)
-        self.offloaded = False
-        return {f"offload/{k}": v for k, v in m.items()}
-
-    @contextlib.contextmanager
-    def _states_loaded(self):
-        """Checkpoints may come while offloaded (a run failing mid-generate): reload for them, then put back."""
-        was = self.offloaded
-        if was:
-            self.reload_states()
-        try:
-            yield
-        finally:
-            if was:
-                self.offload_states()
 
     def _ref_tensors(self) -> list[torch.Tensor]:
         return [*self.ref_model.parameters(), *self.ref_model.buffers()]
-
-    def _need_states(self, what: str) -> None:
-        if self.offloaded:
-            raise TrainerError(f"trainer rank {self.rank}: {what} while the training state is offloaded; "
-                               "reload_states() first")
 
     # ---- weight sync ------------------------------------------------------------------------------
     def _named(self):

@@ -12,15 +12,20 @@ freed (whole-device readings, which also count a vLLM engine on the same GPU, ar
 actors/colocation.py for every GPU at once). On CPU the "offload" is a CPU-to-CPU move: it exercises the bookkeeping (tests prove
 training after a round trip is unchanged) and frees nothing.
 
+`Offloadable` is the bookkeeping every colocated DeepSpeed role shares (the policy rank, the critic inside it):
+whether its states are on the GPU, refusing work while they are not, and putting them back around a checkpoint.
+
 It does not offload ZeRO stage 0 (no ZeRO optimizer to hand the state to: the config rejects it), and
 does not overlap the copies with other work.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
+from rlhf_orch.errors import TrainerError
 from rlhf_orch.gpu_memory import process_memory as gpu_memory
 
 _OURS = "rlhf_orch_offloaded"    # ZeRO-3 parts this module moved itself (hp params, Adam moments)
@@ -80,3 +85,54 @@ def reload(engine, zero_stage: int, device: torch.device) -> dict[str, float]:
         setattr(opt, _OURS, False)
     _sync(device)
     return {"reload_s": time.perf_counter() - t0}
+
+
+class Offloadable:
+    """Mixin over a host's `engine`, `zero_stage`, `device`, `rank` and `offloaded` (False at start). Offload and
+    reload are no-ops when already done and return `offload/` metrics; `_before_offload` / `_after_reload` let a
+    host move more than the engine (the policy's frozen reference)."""
+    engine: object
+    zero_stage: int
+    device: torch.device
+    rank: int
+    offloaded: bool
+    role = "trainer"        # names the host in errors
+
+    def offload_states(self) -> dict[str, float]:
+        if self.offloaded:
+            return {}
+        self._before_offload()
+        m = offload(self.engine, self.zero_stage, self.device)
+        self.offloaded = True
+        return {f"offload/{k}": v for k, v in m.items()}
+
+    def reload_states(self) -> dict[str, float]:
+        if not self.offloaded:
+            return {}
+        m = reload(self.engine, self.zero_stage, self.device)
+        self._after_reload()
+        self.offloaded = False
+        return {f"offload/{k}": v for k, v in m.items()}
+
+    def _before_offload(self) -> None:
+        pass
+
+    def _after_reload(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def _states_loaded(self):
+        """Checkpoints may come while offloaded (a run failing mid-generate): reload for them, then put back."""
+        was = self.offloaded
+        if was:
+            self.reload_states()
+        try:
+            yield
+        finally:
+            if was:
+                self.offload_states()
+
+    def _need_states(self, what: str) -> None:
+        if self.offloaded:
+            raise TrainerError(f"{self.role} rank {self.rank}: {what} while the training state is offloaded; "
+                               "reload_states() first")
