@@ -259,7 +259,7 @@ class SGLangEngine(EngineLifecycle):
         return list(self._ids)
 
     # ---- generation -------------------------------------------------------------------------------
-    def _requests(self, prompts: Sequence[Sequence[int]], params) -> tuple[list[list[int]], list[dict], int]:
+    def _prompt_requests(self, prompts: Sequence[Sequence[int]], params) -> tuple[list[list[int]], list[dict], int]:
         """(one prompt per sample, SGLang sampling params per sample, n): each prompt repeated n times, n=1 each,
         so outputs come back in request order. Checks first that the engine may generate."""
         self._check_can_generate()
@@ -275,7 +275,7 @@ class SGLangEngine(EngineLifecycle):
         return flat, sp, n
 
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list[Sample]:
-        flat, sp, n = self._requests(prompts, params)
+        flat, sp, n = self._prompt_requests(prompts, params)
         if not flat:
             return []
         with self._lock:

@@ -417,7 +417,7 @@ class StreamingSGLangEngine(SGLangEngine):
         return self._reports(self._census_seq, prefix="census")
 
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list[Sample]:
-        flat, sp, n = self._requests(prompts, params)
+        flat, sp, n = self._prompt_requests(prompts, params)
         if not flat:
             return []
         try:
