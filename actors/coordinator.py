@@ -4,15 +4,15 @@ setup: ask every trainer rank and engine worker where it sits -> make the plan (
 trainer rank's device, broadcast for the rest) -> lay out buckets from rank 0's parameter specs ->
 build senders and receivers, creating and warming the one broadcast group on all sides at once.
 
-Engines whose receivers check what they load themselves (ours: hf, vLLM; `RolloutActor.streams`) take a whole
-sync in one call, `sync_weights`: they pause, receive every bucket (colocated ones through a shared-memory
-mailbox with their trainer rank, opened once at setup: no call per bucket), compare each tensor's checksum with
-the trainer's, record the version and resume, while the trainer ranks send. So a sync costs one round of calls
-from here, not five. Other engines (SGLang) keep the stepwise sequence: pause -> every trainer rank streams its
-buckets (rank 0 broadcasts, ranks sharing a device hand each bucket's IPC handle to their engines) while
-broadcast engines receive -> compare every engine's checksums with its sender's here -> record the version ->
-resume. Both kinds in one sync are compared here as well. Only metadata passes through this actor: handles,
-checksums and timings, never tensor data.
+Engines whose receivers check what they load themselves (ours: hf, vLLM, and SGLang colocated;
+`RolloutActor.streams`) take a whole sync in one call, `sync_weights`: they pause, receive every bucket
+(colocated ones through a shared-memory mailbox with their trainer rank, opened once at setup: no call per
+bucket), compare each tensor's checksum with the trainer's, record the version and resume, while the trainer
+ranks send. So a sync costs one round of calls from here, not five. Other engines (SGLang over broadcast) keep
+the stepwise sequence: pause -> every trainer rank streams its buckets (rank 0 broadcasts, ranks sharing a
+device hand each bucket's IPC handle to their engines) while broadcast engines receive -> compare every
+engine's checksums with its sender's here -> record the version -> resume. Both kinds in one sync are compared
+here as well. Only metadata passes through this actor: handles, checksums and timings, never tensor data.
 """
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ class WeightSyncCoordinator:
         specs = self._get(self.trainers[0].param_specs.remote(self.dtype), "parameter specs")
         self.layouts = plan_buckets(specs, self.bucket_bytes)
         self.timeout_s = sync_deadline_s(sum(b.nbytes for b in self.layouts), self.configured_timeout)
-        streams = dict(zip(names, self._get([self.engines[n].streams.remote() for n in names], "engine receiver kinds")))
+        streams = dict(zip(names, self._get([self.engines[n].streams.remote(self.plan.routes[n].transport) for n in names],
+                                            "engine receiver kinds")))
         # Broadcast receivers check the trainer's checksums themselves only if every one of them can: the sums
         # follow the buckets as one more broadcast, which every group member must take part in.
         bcast_sums = self.verify and all(streams[n] for n in self.plan.broadcast_engines)

@@ -17,6 +17,7 @@ import ray
 
 from actors.common import setup_process
 from rlhf_orch.engines import SamplingParams, engine_class
+from rlhf_orch.engines.base import streams_over
 from rlhf_orch.weight_sync import WeightReceiver
 
 
@@ -87,10 +88,11 @@ class RolloutActor:
         return self.receiver.join_group(group["backend"], group["host"], group["port"], rank, group["world_size"],
                                         timeout_s, ray.util.get_node_ip_address(), bool(group.get("sums")))
 
-    def streams(self) -> bool:
-        """Whether this engine's receiver verifies what it loads itself and can take a sync in one call
-        (`sync_weights`): ours (hf here, vLLM in its workers) can; SGLang loads through its own API, bucket by bucket."""
-        return bool(getattr(self.engine, "streams", not hasattr(self.engine, "setup_receiver")))
+    def streams(self, transport: str) -> bool:
+        """Whether this engine's receiver verifies what it loads itself and can take a sync over `transport` in one
+        call (`sync_weights`): ours (hf here, vLLM in its workers) can over both; SGLang colocated (our receiver in
+        its scheduler), and over broadcast through its own API, bucket by bucket (engines/base.streams_over)."""
+        return streams_over(self.engine, transport)
 
     def connect_stream(self, buffer_handles, timeout_s: float) -> bytes:
         """Open the colocated trainer rank's ring buffers once; returns the mailbox handle for that rank."""

@@ -22,6 +22,7 @@ import traceback
 import torch
 
 from bench.shapes import MODELS
+from rlhf_orch.engines.base import streams_over
 from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync import WeightReceiver, checksums
 from rlhf_orch.weight_sync.collective import GROUP_NAME, BroadcastGroup
@@ -142,7 +143,8 @@ class HostState:
             import sglang
             from rlhf_orch.engines.sglang import SGLangEngine
             self.engine, version = SGLangEngine(**kw), f"SGLang {sglang.__version__}"
-        return time.perf_counter() - t0, self.engine.device_ids(), version, bool(getattr(self.engine, "streams", False))
+        streams = tuple(t for t in ("ipc", "broadcast") if streams_over(self.engine, t))
+        return time.perf_counter() - t0, self.engine.device_ids(), version, streams
 
     def setup(self, layouts, group, rank, verify):
         self.verify = verify
@@ -291,7 +293,7 @@ class Host:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=host_main, args=(child, gpus, device, slot), daemon=False)   # engines fork
         self.proc.start()
-        self.info: tuple = ()   # (start seconds, device ids, version, streams) once an engine runs here
+        self.info: tuple = ()   # (start seconds, device ids, version, transports it streams) once an engine runs here
 
     def send(self, cmd: str, *args) -> None:
         self.conn.send((cmd, args))

@@ -11,9 +11,10 @@ Every receiver is its own process that sees only its GPUs (bench/sync_bench_lib.
 loading into a dict of tensors (no inference engine), `vllm` and `sglang` are rlhf_orch's engines ("dummy"
 weights of the same shape). Colocated: every engine on GPU 0 (ipc); disaggregated: engines on GPUs 1.. in one
 NCCL group, every engine worker a rank. The transports come from make_plan on the processes' real device ids, and
-a sync is the coordinator's (actors/coordinator.py): engines that stream (raw, vLLM) take it in one call that
-pauses, receives, checks every tensor against the trainer's checksums and resumes (RolloutActor.sync_weights);
-the others (SGLang) are paused, fed bucket by bucket, compared here, and resumed. Control messages go over pipes,
+a sync is the coordinator's (actors/coordinator.py): engines that stream (raw, vLLM, SGLang colocated) take it in
+one call that pauses, receives, checks every tensor against the trainer's checksums and resumes
+(RolloutActor.sync_weights); the others (SGLang over broadcast) are paused, fed bucket by bucket, compared here,
+and resumed. Control messages go over pipes,
 a cheaper stand-in for Ray calls. Every case runs --warmup + --repeats rounds (>= 10 by default); a round is, in
 this order, so drift hits all alike:
   floor     colocated: a device-to-device copy of the same bytes on GPU 0 (bucket by bucket); disaggregated: a raw
@@ -147,7 +148,7 @@ class Case:
         want = "ipc" if self.coloc else "broadcast"
         if any(r.transport != want for r in plan.routes.values()):
             raise RuntimeError(f"{self.placement} engines should be fed by {want}, but the plan is {plan.summary()}")
-        streams = {n: h.info[3] and not self.args.stepwise for n, h in hosts.items()}
+        streams = {n: plan.routes[n].transport in h.info[3] and not self.args.stepwise for n, h in hosts.items()}
         bcast_sums = self.verify and all(streams[n] for n in plan.broadcast_engines)
         ipc = plan.ipc_targets.get(0, [])
         self.streaming = {e for e in ipc if streams[e]} | (set(plan.broadcast_engines) if bcast_sums else set())
@@ -352,7 +353,7 @@ def parse_args(argv=None):
     ap.add_argument("--bucket-mb", type=float, default=512)
     ap.add_argument("--no-verify", action="store_true", help="syncs without checksums (the cost of verification)")
     ap.add_argument("--stepwise", action="store_true",
-                    help="feed engines that stream (raw, vLLM) the stepwise way: a call per bucket, as SGLang")
+                    help="feed engines that stream (raw, vLLM, SGLang colocated) the stepwise way: a call per bucket")
     ap.add_argument("--shard-floor", action="store_true", help="also the per-shard ideal (>1 receiving GPU)")
     ap.add_argument("--no-one-call", action="store_true", help="sglang: skip SGLang's own one-call baseline")
     ap.add_argument("--naive", action="store_true", help="also the per-parameter path, after the rounds")

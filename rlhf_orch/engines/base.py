@@ -43,6 +43,15 @@ class SamplingParams:
     seed: int | None = None
 
 
+def streams_over(engine, transport: str) -> bool:
+    """Whether `engine` takes a whole sync over `transport` ("ipc" or "broadcast") in one call that checks what it
+    loads itself (RolloutActor.sync_weights; the coordinator feeds the others bucket by bucket). An engine's
+    `streams` is a bool (every transport) or the transports it streams (SGLang: colocated only); an engine without
+    receivers of its own (hf: the actor's WeightReceiver) streams."""
+    s = getattr(engine, "streams", not hasattr(engine, "setup_receiver"))
+    return transport in s if isinstance(s, (tuple, list, set, frozenset)) else bool(s)
+
+
 def per_prompt_params(params: "SamplingParams | Sequence[SamplingParams]", count: int) -> list[SamplingParams]:
     """One SamplingParams per prompt: `params` itself for all, or a list with one per prompt (rows may bound their
     own response length). n, temperature and top_p must agree: groups have n samples and the trainer scores with

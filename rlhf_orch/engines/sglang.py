@@ -12,13 +12,15 @@ Generation is one `Engine.generate(input_ids=..., return_logprob=True)` call; ea
 (srt/layers/sampler.py:189-227): the trainer's log_softmax(logits / T); top-p/top-k only shape the sampling,
 not the returned logprob. Greedy (T=0) returns log_softmax(logits). We refuse to start with that variable set.
 
-Weight sync goes through SGLang's own APIs (docs/sglang_api_notes.md):
+Weight sync (docs/sglang_api_notes.md): colocated, a single-GPU engine takes a whole sync in one call, with our
+receiver running in the scheduler (sglang_stream.py); otherwise through SGLang's own APIs, bucket by bucket:
 - broadcast: `init_weights_update_group` joins our group (rank = rank_offset + TP rank), then one
   `update_weights_from_distributed(load_format="flattened_bucket")` call per bucket. SGLang packs its
   receive buffer tightly in request order (weight_sync/tensor_bucket.py:50-72); our buckets have 256-byte
   aligned slots, so each request lists uint8 padding entries for the gaps and the buffer is byte-identical
   to ours. The trainer end is our `BroadcastGroup`, whose store keys follow the chain SGLang builds.
-- ipc: one `update_weights_from_tensor(load_format="flattened_bucket")` call per bucket whose payload names
+- ipc, stepwise (TP engines, and `--stepwise` in bench/weight_sync.py): one
+  `update_weights_from_tensor(load_format="flattened_bucket")` call per bucket whose payload names
   our CUDA IPC buffer through SGLang's uuid-aware rebuild function (only modules on SGLang's unpickling
   allow-list appear in it), with metadata giving our slot offsets. The actor process never touches CUDA.
 - Verification: at setup we register `rlhf_sglang_hook` as a `custom_weight_loader` and call it once per
@@ -46,6 +48,7 @@ from typing import Any, Sequence
 import torch
 
 from rlhf_orch.engines.base import WAKE_TAGS, EngineLifecycle, per_prompt_params
+from rlhf_orch.engines.sglang_stream import HOOK, ColocatedStream, stream_request, write_report
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
 from rlhf_orch.weight_sync.buckets import BucketLayout, checksums
@@ -53,7 +56,6 @@ from rlhf_orch.weight_sync.collective import GROUP_NAME
 
 logger = logging.getLogger(__name__)
 
-HOOK = "rlhf_orch.engines.sglang.rlhf_sglang_hook"     # our custom_weight_loader (runs in the schedulers)
 _RESERVED = "rlhf_orch."                                # names with this prefix never reach the model
 _INSTALL = "rlhf_orch.install:"
 _PAD = "rlhf_orch.pad."
@@ -62,15 +64,16 @@ _WARMUP = "rlhf_orch.warmup"
 
 # ---- inside every SGLang scheduler process ----------------------------------------------------------
 def rlhf_sglang_hook(model, named_tensors) -> None:
-    """custom_weight_loader entry (weight_updater.py:346-348): installs the recording load_weights wrapper.
-
-    Called with one tensor named "rlhf_orch.install:<json config>"; anything else is refused."""
-    from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank
+    """custom_weight_loader entry (weight_updater.py:346-348), called with one empty tensor whose name is the request:
+    "rlhf_orch.install:<json config>" installs the recording load_weights wrapper; "rlhf_orch.connect:..." and
+    "rlhf_orch.stream:..." serve a colocated sync in one call (sglang_stream.py); anything else is refused."""
     for name, _ in named_tensors:
-        if not name.startswith(_INSTALL):
-            raise RuntimeError(f"{HOOK} only installs rlhf_orch's weight-load wrapper; got tensor {name!r}")
-        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-        install(model, json.loads(name[len(_INSTALL):]), get_tensor_model_parallel_rank(), uuid)
+        if name.startswith(_INSTALL):
+            from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank
+            uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+            install(model, json.loads(name[len(_INSTALL):]), get_tensor_model_parallel_rank(), uuid)
+        elif not stream_request(model, name):
+            raise RuntimeError(f"{HOOK} only serves rlhf_orch's own requests; got tensor {name!r}")
 
 
 def install(model, cfg: dict, rank: int, uuid: str) -> None:
@@ -78,6 +81,8 @@ def install(model, cfg: dict, rank: int, uuid: str) -> None:
     old = getattr(model, "_rlhf_state", None)
     orig = old["orig"] if old else model.load_weights
     state = {"orig": orig, "dir": cfg["dir"], "verify": bool(cfg["verify"]), "seq": 0, "rank": rank, "uuid": uuid}
+    if old and "stream" in old:   # the colocated stream outlives a re-install (a new one replaces it at connect)
+        state["stream"] = old["stream"]
     object.__setattr__(model, "_rlhf_state", state)
     object.__setattr__(model, "load_weights", partial(_load_and_record, state))
     _report(state, {"sums": [], "load_s": 0.0, "verify_s": 0.0})
@@ -109,10 +114,7 @@ def _load_and_record(state: dict, weights):
 
 def _report(state: dict, rec: dict) -> None:
     rec.update(seq=state["seq"], rank=state["rank"], uuid=state["uuid"])
-    path = os.path.join(state["dir"], f"tp{state['rank']}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(rec, f)
-    os.replace(path + ".tmp", path)
+    write_report(state["dir"], f"tp{state['rank']}", rec)
 
 
 # ---- trainer side ------------------------------------------------------------------------------------
@@ -144,7 +146,7 @@ class _Reduce:
 
 
 # ---- the engine (in the rollout actor) ---------------------------------------------------------------
-class SGLangEngine(EngineLifecycle):
+class SGLangEngine(ColocatedStream, EngineLifecycle):
     checksums_mode = "received"   # checksums describe received tensors (see the module doc)
     weight_loaders: tuple[str, ...] = (HOOK,)   # SGLang's custom_weight_loader allow-list
 
@@ -302,11 +304,12 @@ class SGLangEngine(EngineLifecycle):
     def setup_receiver(self, layouts, group: dict | None, rank_offset: int, verify: bool, timeout_s: float,
                        replay: bool = True) -> float:
         """Install the hook; with `group`, join it (TP rank k as rank_offset + k) and warm it up. Returns seconds.
-        `replay` does not apply: SGLang loads through its own API."""
+        `replay` applies to the colocated stream (sglang_stream.py); broadcast loads through SGLang's own API."""
         self._need_weights_awake("setup_receiver")
         t0 = time.perf_counter()
         self.report_timeout_s = max(self.report_timeout_s, float(timeout_s))
         self._layouts = list(layouts)
+        self._replay = bool(replay)
         self._requests = [bucket_request(lay) for lay in self._layouts]
         self._meta = {}
         self.close()

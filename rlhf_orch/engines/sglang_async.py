@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import sys
 import threading
 import time
@@ -47,6 +46,7 @@ import torch
 
 from rlhf_orch.engines.base import PAUSE_MODES
 from rlhf_orch.engines.sglang import HOOK, SGLangEngine
+from rlhf_orch.engines.sglang_stream import write_report
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
 
@@ -101,10 +101,7 @@ def rlhf_sglang_census(model, named_tensors) -> None:
                 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
                 tc.evict(EvictParams(num_tokens=rec["evictable_before"]))
             rec["evictable_after"] = int(tc.evictable_size())
-        path = os.path.join(cfg["dir"], f"census{rank}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(rec, f)
-        os.replace(path + ".tmp", path)
+        write_report(cfg["dir"], f"census{rank}", rec)
 
 
 # ---- the runner (in the rollout actor) -----------------------------------------------------------

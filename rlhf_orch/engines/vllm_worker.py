@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from rlhf_orch.weight_sync.buckets import BucketLayout, TensorSlot, checksums
+from rlhf_orch.weight_sync.buckets import BucketLayout, TensorSlot
 from rlhf_orch.weight_sync.ipc import IpcHandle
-from rlhf_orch.weight_sync.receiver import WeightReceiver
+from rlhf_orch.weight_sync.receiver import ReceivedSums, WeightReceiver
 from rlhf_orch.weight_sync.replay import LoadReplay
 
 logger = logging.getLogger(__name__)
@@ -71,9 +71,12 @@ class WeightSyncWorkerExtension:
     def _rlhf_state(self) -> dict:
         st = getattr(self, "_rlhf_st", None)
         if st is None:
-            st = {"receiver": None, "views": {}, "sums": {}}
-            self._rlhf_st = st
+            st = self._rlhf_st = {"receiver": None, "received": self._rlhf_received()}
         return st
+
+    def _rlhf_received(self) -> ReceivedSums:
+        """model.load_weights per bucket, and checksums of the tensors it received (mode "received")."""
+        return ReceivedSums(lambda named: self._rlhf_model().load_weights(named))
 
     def _rlhf_model(self) -> torch.nn.Module:
         # get_model() unwraps CUDAGraphWrapper/UBatchWrapper (gpu_model_runner.py:3288); V2 runner returns it as is.
@@ -85,24 +88,6 @@ class WeightSyncWorkerExtension:
         if self.vllm_config.quant_config is not None:
             raise RuntimeError("rlhf_orch weight sync loads checkpoint-format weights with model.load_weights and "
                                "does not run vLLM's layerwise reload; quantized models are not supported")
-
-    def _rlhf_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """One model.load_weights call per bucket; keeps the received views for the checksum that follows."""
-        st = self._rlhf_state()
-        with torch.no_grad():
-            self._rlhf_model().load_weights(named)
-        st["views"] = dict(named)
-
-    def _rlhf_checksums_of_received(self, names: list[str]) -> list[int]:
-        st = self._rlhf_state()
-        views = st["views"]
-        missing = [n for n in names if n not in views]
-        if missing:
-            raise RuntimeError(f"checksums asked for tensors not in the last load: {missing[:5]}")
-        sums = checksums(views[n] for n in names)
-        st["sums"].update(zip(names, sums))
-        st["views"] = {}   # views alias a receive buffer that the next bucket overwrites
-        return sums
 
     # ---- called through collective_rpc -------------------------------------------------------------
     def rlhf_device_id(self) -> str:
@@ -122,8 +107,8 @@ class WeightSyncWorkerExtension:
         if st["receiver"] is not None:
             st["receiver"].close()
         params = dict(self._rlhf_model().named_parameters())   # the same Parameter objects for the engine's life
-        st["receiver"] = WeightReceiver(_as_layouts(layouts), self.device, self._rlhf_load,
-                                        self._rlhf_checksums_of_received, LoadReplay(lambda: params, bool(replay)))
+        st["receiver"] = WeightReceiver(_as_layouts(layouts), self.device, st["received"].load,
+                                        st["received"].checksums, LoadReplay(lambda: params, bool(replay)))
         if group is not None:
             rank = int(rank_offset) + get_tensor_model_parallel_rank()
             st["receiver"].join_group(group["backend"], group["host"], int(group["port"]), rank,
@@ -167,14 +152,15 @@ class WeightSyncWorkerExtension:
         """Load pickled [(name, cpu tensor)] in one load_weights call (tests, small models); returns count."""
         self._rlhf_check_supported()
         named = [(n, t.to(self.device)) for n, t in _unpack_arg(named)]
-        self._rlhf_load(named)
-        self._rlhf_checksums_of_received([n for n, _ in named])   # its .cpu() also waits for the copies
+        received = self._rlhf_state()["received"]
+        received.load(named)
+        received.checksums([n for n, _ in named])   # its host read also waits for the copies
         return len(named)
 
     def rlhf_checksums(self, names: list[str]) -> list[int]:
         """Checksums of the most recently received tensors of `names` (recorded when they were verified)."""
         rec = self._rlhf_state()["receiver"]
-        sums = {**self._rlhf_state()["sums"], **(rec.last_sums if rec is not None else {})}
+        sums = {**self._rlhf_state()["received"].sums, **(rec.last_sums if rec is not None else {})}
         missing = [n for n in names if n not in sums]
         if missing:
             raise RuntimeError(f"no received checksum for {missing[:5]} (sync with verify=True first)")
@@ -202,4 +188,4 @@ class WeightSyncWorkerExtension:
         st = self._rlhf_state()
         if st["receiver"] is not None:
             st["receiver"].close()
-        st.update(receiver=None, views={}, sums={})
+        st.update(receiver=None, received=self._rlhf_received())

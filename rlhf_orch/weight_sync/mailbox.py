@@ -67,10 +67,16 @@ class Mailbox:
     @classmethod
     def attach(cls, handle: bytes) -> "Mailbox":
         """The sender's end: maps the receiver's words and records the sender's process id."""
-        path, n = bytes(handle).decode().rsplit("|", 1)
-        box = cls(path, np.memmap(path, dtype=np.int64, mode="r+", shape=(int(n),)), owner=False)
+        box = cls.observe(handle)
         box.w[_SPID] = os.getpid()
         return box
+
+    @classmethod
+    def observe(cls, handle: bytes) -> "Mailbox":
+        """A third process's end (an engine's actor whose receiver runs in a child process): maps the words only to
+        `fail()` a sync the receiver never started. Must be mapped before the receiver's first sync unlinks the file."""
+        path, n = bytes(handle).decode().rsplit("|", 1)
+        return cls(path, np.memmap(path, dtype=np.int64, mode="r+", shape=(int(n),)), owner=False)
 
     def unlink(self, only_if_attached: bool = False) -> None:
         """Remove the file (the receiver's end); both mappings stay valid. `only_if_attached`: not before the

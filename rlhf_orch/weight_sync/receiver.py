@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from rlhf_orch.weight_sync.buckets import BucketLayout, max_bucket_bytes, unpack
+from rlhf_orch.weight_sync.buckets import BucketLayout, checksums, max_bucket_bytes, unpack
 from rlhf_orch.weight_sync.collective import BroadcastGroup
 from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.weight_sync.ipc import HandleCache, IpcHandle, open_handle
@@ -33,6 +33,31 @@ from rlhf_orch.weight_sync.replay import LoadReplay
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 ChecksumFn = Callable[[list[str]], list[int]]
+
+
+class ReceivedSums:
+    """`load_fn` and `checksum_fn` for an engine whose loader we call but whose parameters have no per-tensor twin
+    (vLLM and SGLang fuse q/k/v): the checksums are of the tensors the last load received, taken from views into
+    the bucket before the next bucket overwrites it. `sums` keeps every tensor's latest."""
+
+    def __init__(self, load: LoadFn):
+        self._load = load
+        self._views: dict[str, torch.Tensor] = {}
+        self.sums: dict[str, int] = {}
+
+    def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            self._load(named)
+        self._views = dict(named)
+
+    def checksums(self, names: list[str]) -> list[int]:
+        missing = [n for n in names if n not in self._views]
+        if missing:
+            raise RuntimeError(f"checksums asked for tensors not in the last load: {missing[:5]}")
+        sums = checksums(self._views[n] for n in names)
+        self.sums.update(zip(names, sums))
+        self._views = {}   # views alias a receive buffer that the next bucket overwrites
+        return sums
 
 
 class WeightReceiver:

@@ -1,7 +1,8 @@
 """The SGLang engine on a GPU: the engine contract, then our weight sync into it through SGLang's own APIs,
 over NCCL (trainer tensors on GPU 1, SGLang on GPU 0; `update_weights_from_distributed`, flattened buckets)
-and CUDA IPC (both on GPU 0; `update_weights_from_tensor`, flattened buckets), checked by checksum and by the
-engine's logprobs matching an independent forward of the new weights. Needs SGLang 0.5.17 (its own folder):
+and CUDA IPC (both on GPU 0; `update_weights_from_tensor`, flattened buckets, a call per bucket; and the one-call
+stream of engines/sglang_stream.py), checked by checksum and by the engine's logprobs matching an independent
+forward of the new weights. Needs SGLang 0.5.17 (its own folder):
 
     PYTHONPATH=/tmp/site-sglang:$PWD:$PWD/tests NCCL_NVLS_ENABLE=0 python -m pytest -q -m gpu tests/gpu/test_sglang_engine.py
 """
@@ -103,3 +104,30 @@ def test_sync_into_sglang(engine, dirs, placement):
     engine.finish_sync(version)
     engine.resume()
     _check_logprobs(engine, target, version)
+
+
+def test_colocated_stream_into_sglang_in_one_call_per_sync(engine, dirs):
+    """Our receiver in SGLang's scheduler (engines/sglang_stream.py): the syncs alternate the two models, so the
+    replayed copies (sync 2 on) must follow the weights; each is checked in the scheduler and by the logprobs."""
+    from rlhf_orch.types import ParamSpec, dtype_name
+    from rlhf_orch.weight_sync import WeightSender, plan_buckets
+    dev = torch.device("cuda", 0)
+    models = [[(n, t.to(dev)) for n, t in named_weights(d, torch.bfloat16)] for d in dirs]
+    layouts = plan_buckets([ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in models[0]], 64 * 1024)
+    assert engine.streams == ("ipc",)
+    engine.setup_receiver(layouts, None, 0, True, 120)
+    sender = WeightSender(layouts, dev, ["s"], timeout_s=120)
+    sender.attach_mailbox("s", engine.connect_stream(sender.buffer_handles(), 120))
+    for sync_id in (1, 2, 3, 4):
+        k = sync_id % 2
+        engine.pause()
+        res = {}
+        t = threading.Thread(target=lambda: res.update(r=sender.send(iter(models[k]), 10 + sync_id, sync_id=sync_id)))
+        t.start()
+        got, metrics = engine.receive_stream(sync_id, True)
+        t.join(120)
+        assert got == res["r"].checksums and set(metrics) == {"load_s", "wait_s", "total_s"}
+        engine.finish_sync(10 + sync_id)
+        engine.resume()
+        _check_logprobs(engine, dirs[k], 10 + sync_id)
+    assert engine.checksums([n for n, _ in models[0]]) == res["r"].checksums

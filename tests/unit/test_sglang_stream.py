@@ -1,0 +1,162 @@
+"""The colocated one-call sync into SGLang (engines/sglang_stream.py), with SGLang's scheduler stood in for.
+
+What is real: our WeightSender on CPU shared-memory ring buffers, the mailbox, the WeightReceiver and load replay
+that the hook builds, the hook's request dispatch (`rlhf_sglang_hook`) and its report files, and the engine side
+(`ColocatedStream` as SGLangEngine mixes it in). What stands in: SGLang's `update_weights_from_tensor`, which calls
+the custom loader named by `load_format` with the model (as weight_updater.py:346 does), and a toy model whose
+`load_weights` fuses q and k into one parameter the way SGLang's Llama does. The same path runs against SGLang 0.5.17
+on a GPU in tests/gpu/test_sglang_engine.py (the `ipc_stream` case).
+"""
+import importlib
+import threading
+
+import pytest
+import torch
+
+from rlhf_orch.engines.sglang import SGLangEngine, install
+from rlhf_orch.engines.sglang_stream import HOOK, ColocatedStream
+from rlhf_orch.errors import EngineError, WeightSyncError
+from rlhf_orch.weight_sync.buckets import checksums, plan_buckets
+from rlhf_orch.weight_sync.sender import WeightSender
+from weight_sync_helpers import CPU, assert_bit_equal, spec
+
+MODEL = [spec("q", "float32", 8, 4), spec("k", "float32", 4, 4), spec("w", "float32", 16, 4), spec("b", "float32", 5)]
+BUCKET = 200    # q and k in separate buckets: a fused parameter written from two buckets
+
+
+class ToyModel(torch.nn.Module):
+    """q and k land in one `qkv` parameter (rows 0-7, 8-11), as SGLang fuses them."""
+
+    def __init__(self, corrupt: str | None = None):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(12, 4), requires_grad=False)
+        self.w = torch.nn.Parameter(torch.zeros(16, 4), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.zeros(5), requires_grad=False)
+        self.corrupt = corrupt
+
+    def load_weights(self, named):
+        for name, t in named:
+            dst = {"q": lambda: self.qkv[:8], "k": lambda: self.qkv[8:], "w": lambda: self.w, "b": lambda: self.b}[name]()
+            if name == self.corrupt:
+                t.view(-1)[0] += 1.0    # bytes that arrived wrong (a received-mode checksum sees the bucket)
+            dst.copy_(t)
+
+
+class FakeSGLang:
+    """SGLang's Engine as far as the hook sees it: update_weights_from_tensor runs the named custom loader."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def update_weights_from_tensor(self, named, load_format=None, flush_cache=True):
+        module, fn = load_format.rsplit(".", 1)
+        getattr(importlib.import_module(module), fn)(self.model, named)
+        return True, "Success"
+
+
+class Engine(ColocatedStream):
+    """SGLangEngine's state that the stream uses, and its own `_call`/`_reports`."""
+    _call = SGLangEngine._call
+    _reports = SGLangEngine._reports
+    checksums = SGLangEngine.checksums
+
+    def __init__(self, model, folder, layouts):
+        self.name, self.engine, self._dir, self._layouts = "s", FakeSGLang(model), str(folder), layouts
+        self.tensor_parallel_size, self.report_timeout_s, self._sums = 1, 10.0, {}
+
+    def _need_weights_awake(self, what):
+        pass
+
+
+def _values(version):
+    g = torch.Generator().manual_seed(version)
+    return {s.name: torch.randn(s.shape, generator=g) for s in MODEL}
+
+
+def _setup(tmp_path, corrupt=None):
+    layouts = plan_buckets(MODEL, BUCKET)
+    assert len(layouts) >= 3
+    model = ToyModel(corrupt)
+    install(model, {"dir": str(tmp_path), "verify": True}, 0, "cpu")
+    eng = Engine(model, tmp_path, layouts)
+    sender = WeightSender(layouts, CPU, ipc_engines=["s"], timeout_s=10)
+    sender.attach_mailbox("s", eng.connect_stream(sender.buffer_handles(), 10))
+    return model, eng, sender
+
+
+def _sync(eng, sender, values, sync_id):
+    out = {}
+    t = threading.Thread(target=lambda: out.update(sent=_send(sender, values, sync_id)))
+    t.start()
+    try:
+        return eng.receive_stream(sync_id), out
+    finally:
+        t.join(20)
+
+
+def _send(sender, values, sync_id):
+    try:
+        return sender.send(iter([(s.name, values[s.name]) for s in MODEL]), sync_id, sync_id=sync_id)
+    except WeightSyncError as e:
+        return e
+
+
+def test_two_syncs_in_one_call_each_then_replayed_copies_follow_the_weights(tmp_path):
+    model, eng, sender = _setup(tmp_path)
+    assert eng.streams == ("ipc",)
+    for sync_id in (1, 2, 3):
+        if sync_id == 3:   # re-installing the load wrapper (verify off for SGLang's own calls) keeps the stream
+            install(model, {"dir": str(tmp_path), "verify": False}, 0, "cpu")
+        values = _values(sync_id)
+        (sums, timings), out = _sync(eng, sender, values, sync_id)
+        want = checksums(values[s.name] for s in MODEL)
+        assert out["sent"].checksums == want and sums == want
+        assert set(timings) == {"load_s", "wait_s", "total_s"}
+        assert_bit_equal(model.qkv.data, torch.cat([values["q"], values["k"]]), f"qkv after sync {sync_id}")
+        assert_bit_equal(model.w.data, values["w"], "w")
+        assert_bit_equal(model.b.data, values["b"], "b")
+    assert eng.checksums([s.name for s in MODEL]) == want
+    status = model._rlhf_state["stream"].replay.status()
+    assert status["replayed"] == list(range(len(eng._layouts))) and not status["loader"]
+
+
+def test_replay_off_loads_through_the_models_own_loader_every_time(tmp_path):
+    model, eng, sender = _setup(tmp_path)
+    eng.set_replay(False)
+    for sync_id in (1, 2):
+        values = _values(10 + sync_id)
+        (sums, _), out = _sync(eng, sender, values, sync_id)
+        assert sums == out["sent"].checksums
+        assert_bit_equal(model.qkv.data, torch.cat([values["q"], values["k"]]), "qkv")
+    assert model._rlhf_state["stream"].replay.plans == {}
+
+
+def test_a_mangled_load_is_an_engine_error_and_the_sender_stops_at_once(tmp_path):
+    model, eng, sender = _setup(tmp_path, corrupt="k")
+    with pytest.raises(EngineError, match="failed in SGLang's scheduler.*differ from the trainer's.*'k'"):
+        _sync(eng, sender, _values(1), 1)
+    # The sender was told by the mailbox, not by its 10 s deadline.
+    sent = _send(sender, _values(1), 1)
+    assert isinstance(sent, WeightSyncError) and "gave up" in str(sent)
+
+
+def test_abort_from_the_actor_stops_a_waiting_sender(tmp_path):
+    model, eng, sender = _setup(tmp_path)
+    eng.abort_stream()   # e.g. the actor's call failed before the scheduler took the sync
+    sent = _send(sender, _values(1), 1)
+    assert isinstance(sent, WeightSyncError) and "gave up" in str(sent)
+
+
+def test_stream_before_connect_and_unknown_requests_are_refused(tmp_path):
+    model = ToyModel()
+    install(model, {"dir": str(tmp_path), "verify": True}, 0, "cpu")
+    eng = Engine(model, tmp_path, plan_buckets(MODEL, BUCKET))
+    with pytest.raises(EngineError, match="connect_stream first"):
+        eng.receive_stream(1)
+    hook = getattr(importlib.import_module(HOOK.rsplit(".", 1)[0]), HOOK.rsplit(".", 1)[1])
+    with pytest.raises(RuntimeError, match="only serves rlhf_orch's own requests"):
+        hook(model, [("model.embed_tokens.weight", torch.zeros(1))])
+    eng.tensor_parallel_size = 2
+    assert eng.streams == ()
+    with pytest.raises(EngineError, match="single-GPU engine"):
+        eng.connect_stream([], 10)
