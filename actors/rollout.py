@@ -90,8 +90,9 @@ class RolloutActor:
 
     def streams(self, transport: str) -> bool:
         """Whether this engine's receiver verifies what it loads itself and can take a sync over `transport` in one
-        call (`sync_weights`): ours (hf here, vLLM in its workers) can over both; SGLang colocated (our receiver in
-        its scheduler), and over broadcast through its own API, bucket by bucket (engines/base.streams_over)."""
+        call (`sync_weights`): ours (hf here, vLLM in its workers) over both transports, SGLang over ipc only (our
+        receiver in its scheduler); SGLang over broadcast is fed bucket by bucket through its own API
+        (engines/base.streams_over)."""
         return streams_over(self.engine, transport)
 
     def connect_stream(self, buffer_handles, timeout_s: float) -> bytes:
