@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "tests" / "integration"))
 import launch  # noqa: E402
 from test_engine_faults import _fault_at  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
 
 
