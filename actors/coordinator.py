@@ -181,4 +181,5 @@ class WeightSyncCoordinator:
             "sync/ipc_engines": sum(r.transport == "ipc" for r in routes.values()),
             "sync/broadcast_engines": len(self.plan.broadcast_engines),
             "sync/one_call_engines": len(synced),
+            "sync/gpu_handover_engines": sum(int(r.get("on_device", 0.0)) for r in synced.values()),
         }

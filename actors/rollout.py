@@ -120,6 +120,7 @@ class RolloutActor:
         self.finish_sync(version)
         self.resume()
         return {"sums": sums, "pause_s": t1 - t0, "receive_s": t2 - t1, "load_s": float(m.get("load_s", 0.0)),
+                "on_device": float(m.get("on_device", 0.0)),   # the GPU hand-over (weight_sync/mailbox.py)
                 "finish_s": time.perf_counter() - t2, "total_s": time.perf_counter() - t0}
 
     def close_receiver(self) -> None:

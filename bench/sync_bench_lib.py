@@ -348,7 +348,9 @@ class Pool:
 LABELS = {"floor1": "floor, first receiving GPU only",
           "shard": "per-shard ideal (1/k of each bucket to each of k GPUs)", "one_call": "SGLang's own one call (unverified)",
           "naive": "per-parameter calls", "sync_loader": "ours, engine's loader every sync (replay off)",
-          "loader_load": "its engine load phase (replay off)"}
+          "loader_load": "its engine load phase (replay off)",
+          "sync_host": "ours, host hand-over per bucket (verified)", "host_pack": "its pack phase (host hand-over)",
+          "host_wait": "its wait phase (host hand-over)", "host_load": "its engine load phase (host hand-over)"}
 PHASES = ["pause", "transfer", "pack", "wait", "load", "verify", "resume", "total"]
 
 
@@ -380,7 +382,8 @@ def markdown(cases: list[dict]) -> str:
               "|" + "---|" * (len(PHASES) + 6)]
     for c in ok:
         med = {k: statistics.median(v) for k, v in c["phases"].items()}
-        eng = ", ".join(f"{k[:-2]} {v * 1e3:.1f}" for k, v in sorted((k, statistics.median(v)) for k, v in c["receiver"].items()))
+        eng = ", ".join(f"{k[:-2]} {v * 1e3:.1f}" if k.endswith("_s") else f"{k} {v:g}"   # seconds as ms; flags
+                        for k, v in sorted((k, statistics.median(v)) for k, v in c["receiver"].items()))
         lines.append(_case_name(c) + "| " + " | ".join(f"{med['sync/' + p + '_s'] * 1e3:.1f}" for p in PHASES) +
                      f" | {med['sync/gbps']:.3g} | {eng} |")
     notes = [f"- {c['engine']} {c['model']} {c['placement']} {c['receivers']}: " + "; ".join(

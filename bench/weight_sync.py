@@ -300,7 +300,20 @@ class Case:
             torch._foreach_neg_(list(tr.params.values()))   # every round sends different bytes (untimed)
             tr.sync()
             rec = {"floor": self.floor_copy() if self.coloc else self.floor_bcast(self.parts["floor"])}
-            rec["sync"], ph, eng = self.sync(r)
+            if a.compare_handover and self.sender is not None and self.sender.gpu_handover:
+                # The same sync with the host hand-over per bucket, in the same round; which goes first alternates.
+                host_first = r % 2 == 1
+                if host_first:
+                    rec["sync_host"], ph_h = self._host_handover(r)
+                    torch._foreach_neg_(list(tr.params.values()))   # each sync moves other bytes than the last
+                rec["sync"], ph, eng = self.sync(r)
+                if not host_first:
+                    torch._foreach_neg_(list(tr.params.values()))
+                    rec["sync_host"], ph_h = self._host_handover(r)
+                for k in ("pack", "wait", "load"):
+                    rec[f"host_{k}"] = ph_h[f"sync/{k}_s"]
+            else:
+                rec["sync"], ph, eng = self.sync(r)
             if a.compare_loads:   # the same sync with the engine's own loader, in the same round (replay off)
                 torch._foreach_neg_(list(tr.params.values()))
                 self._all("set_replay", False, names=list(self.streaming))
@@ -326,6 +339,15 @@ class Case:
                     bucket_mb=a.bucket_mb, verify=self.verify, verified=verified, repeats=a.repeats, warmup=a.warmup,
                     plan=self.plan.summary(), streaming=sorted(self.streaming),
                     measures=dict(measures), phases=dict(phases), receiver=dict(receiver))
+
+    def _host_handover(self, r: int):
+        """One sync with the per-bucket host hand-over (RLHF_ORCH_SYNC_HANDOVER=host), verified like the rest."""
+        self.sender.gpu_handover = False
+        try:
+            t, ph, _ = self.sync(r)
+        finally:
+            self.sender.gpu_handover = True
+        return t, ph
 
     def close(self):
         for h in self.floors:
@@ -357,6 +379,8 @@ def parse_args(argv=None):
     ap.add_argument("--shard-floor", action="store_true", help="also the per-shard ideal (>1 receiving GPU)")
     ap.add_argument("--no-one-call", action="store_true", help="sglang: skip SGLang's own one-call baseline")
     ap.add_argument("--naive", action="store_true", help="also the per-parameter path, after the rounds")
+    ap.add_argument("--compare-handover", action="store_true",
+                    help="each round also syncs with the per-bucket host hand-over instead of the GPU's (CUDA streams)")
     ap.add_argument("--compare-loads", action="store_true",
                     help="each round also syncs with load replay off (the engine's loader at every sync)")
     ap.add_argument("--naive-repeats", type=int, default=2)

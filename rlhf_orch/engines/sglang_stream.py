@@ -127,7 +127,7 @@ class ColocatedStream:
         sums = [int(x) for x in rec["sums"]]
         if verify:
             self._sums.update(zip((n for lay in self._layouts for n in lay.names), sums))
-        return sums, {k: float(rec[k]) for k in ("load_s", "wait_s", "total_s")}
+        return sums, {k: float(rec.get(k, 0.0)) for k in ("load_s", "wait_s", "total_s", "on_device")}
 
     def set_replay(self, enabled: bool) -> None:
         """Load replay on or off for later syncs (the benchmark's --compare-loads)."""

@@ -120,9 +120,11 @@ class CopyPlan:
     def cacheable(self) -> bool:
         return not self.slow
 
-    def run(self, copy: bool = True) -> list[int]:
-        """Copy every run (unless `copy` is False: checksum the destinations only) and return the slot sums."""
-        sums = torch.zeros(self.n_slots, dtype=torch.int64, device=self.device)
+    def run(self, copy: bool = True, out: torch.Tensor | None = None) -> list[int] | None:
+        """Copy every run (unless `copy` is False: checksum the destinations only) and return the slot sums. With
+        `out` (zeroed int64, one per slot, on the device) the sums are added there instead and nothing waits for
+        the device: the GPU hand-over keeps them there until the sync's end."""
+        sums = torch.zeros(self.n_slots, dtype=torch.int64, device=self.device) if out is None else out
         if self.desc is not None:
             self.kernel[(self.desc.shape[0],)](self.desc, sums, COPY=copy, BLOCK=_BLOCK, num_warps=_WARPS)
         if self.slow:
@@ -131,6 +133,8 @@ class CopyPlan:
             parts = torch.stack([_word_sum(r.dst) for r in self.slow])
             index = torch.tensor([r.slot for r in self.slow], device=self.device)
             sums.index_add_(0, index, parts)
+        if out is not None:
+            return None
         return sums.tolist()   # the host read waits for the copies too
 
 

@@ -9,6 +9,9 @@ may see it under different indices when CUDA_VISIBLE_DEVICES differs).
 Handles are opened once per buffer and cached by buffer id, because a sync reuses the same two
 buffers every time (opening a CUDA IPC handle costs ~1 ms). This module does not decide when a
 buffer may be reused: the sender waits for the receiver's acknowledgement (see sender.py).
+
+`ipc_events` and `open_event` make CUDA events that two processes on one GPU share, so that one side's stream
+waits for the other side's work on the device (the GPU hand-over, mailbox.py) instead of its host waiting.
 """
 from __future__ import annotations
 
@@ -86,3 +89,22 @@ def open_handle(handle: IpcHandle) -> torch.Tensor:
     args = list(args)
     args[6] = _local_cuda_index(handle.device_uuid)   # reduce_tensor's arg 6 is the device index
     return rebuild(*args)
+
+
+EVENT_HANDLE_BYTES = 64   # sizeof(cudaIpcEventHandle_t)
+
+
+def ipc_events(n: int, device: torch.device) -> tuple[list[torch.cuda.Event], list[bytes]]:
+    """`n` interprocess events on `device` and their handles. An event is recorded on the creator's stream only;
+    another process opens the handle and makes its stream wait for the latest record (CUDA's re-record rule)."""
+    with torch.cuda.device(device):
+        events = [torch.cuda.Event(interprocess=True) for _ in range(n)]
+        handles = [bytes(e.ipc_handle()) for e in events]
+    for h in handles:
+        if len(h) != EVENT_HANDLE_BYTES:
+            raise RuntimeError(f"a CUDA IPC event handle has {len(h)} bytes, expected {EVENT_HANDLE_BYTES}")
+    return events, handles
+
+
+def open_event(handle: bytes, device: torch.device) -> torch.cuda.Event:
+    return torch.cuda.Event.from_ipc_handle(device, handle)

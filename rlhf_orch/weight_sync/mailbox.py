@@ -19,6 +19,16 @@ aligned int64 words are atomic on the hosts we run on, and the writer stores `su
 keeps in order. The file is a plain mapping, not torch's shared-memory sharing: with that, the creating process
 waited at exit until every process that mapped its tensor let go (30 s and more, seen in the benchmark). The
 receiver unlinks the file once the sender has mapped it (at its first sync, or when it closes); mappings stay valid.
+
+GPU hand-over (CUDA, both sides with events; the sender chooses per sync and writes `mode` before bucket 0):
+the words above then say only that a side has *queued* its work, and the device orders the rest. The sender
+records its event for `slot` after queueing the pack and stores `ready`; the receiver makes its stream wait for
+that event, queues the load, records its own event for `slot` and stores `done`; before refilling `slot` the
+sender's stream waits for the receiver's event. Neither host waits for the GPU per bucket (on a shared GPU those
+waits left the device idle between the two processes' kernels). Checksums are then kept on the device and
+compared once per sync: the sender stores every tensor's sum and then `final` (the sync's last sequence number)
+after its last pack, and the receiver compares them with its own before it returns. Each side writes its
+events' IPC handles here (`put_events`), so no other channel changes.
 This module moves no tensor data and knows nothing of engines or Ray.
 """
 from __future__ import annotations
@@ -38,9 +48,13 @@ from rlhf_orch.errors import WeightSyncError
 # is read once per process from the environment, which engines inherit from the driver; RLHF_ORCH_SYNC_SLOTS is
 # for re-running that benchmark (a receiver given another count of buffers refuses them, naming both).
 SLOTS = int(os.environ.get("RLHF_ORCH_SYNC_SLOTS", "3"))
-_FAILED, _PID, _SPID, _READY = 0, 1, 2, 3
+_FAILED, _PID, _SPID, _MODE, _FINAL, _READY = 0, 1, 2, 3, 4, 5
 _DONE = _READY + SLOTS
-_SUMS = _DONE + SLOTS
+_EVENT_WORDS = 8                        # a cudaIpcEventHandle_t is 64 bytes
+_EV_SENDER = _DONE + SLOTS              # the sender's events, one per slot ("packed")
+_EV_RECEIVER = _EV_SENDER + SLOTS * _EVENT_WORDS    # the receiver's ("loaded")
+_SUMS = _EV_RECEIVER + SLOTS * _EVENT_WORDS
+HOST, DEVICE = 0, 1                     # hand-over modes (`mode` word)
 
 
 def seq_of(sync_id: int, bucket: int) -> int:
@@ -86,6 +100,40 @@ class Mailbox:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+    # ---- GPU hand-over ----------------------------------------------------------------------------------
+    def put_events(self, sender: bool, handles: list[bytes]) -> None:
+        """Store one side's event handles (one per slot) for the other side to open."""
+        if len(handles) != SLOTS:
+            raise ValueError(f"{len(handles)} event handles for {SLOTS} slots")
+        base = _EV_SENDER if sender else _EV_RECEIVER
+        raw = np.frombuffer(b"".join(handles), dtype=np.int64)
+        self.w[base:base + SLOTS * _EVENT_WORDS] = raw
+
+    def events(self, of_sender: bool) -> list[bytes] | None:
+        """The sender's (or the receiver's) event handles, or None where that side made none (a CPU side)."""
+        base = _EV_SENDER if of_sender else _EV_RECEIVER
+        raw = np.asarray(self.w[base:base + SLOTS * _EVENT_WORDS]).tobytes()
+        if not any(raw):
+            return None
+        step = _EVENT_WORDS * 8
+        return [raw[i * step:(i + 1) * step] for i in range(SLOTS)]
+
+    def begin(self, mode: int) -> None:
+        """Sender, before the sync's first `publish`: how this sync hands buckets over (HOST or DEVICE)."""
+        self.w[_MODE] = mode
+
+    def mode(self) -> int:
+        return int(self.w[_MODE])
+
+    def publish_final(self, seq: int, sums: list[int]) -> None:
+        """Sender, after the last bucket of a DEVICE sync: every tensor's checksum, then `final` = `seq`."""
+        if sums:
+            self.w[_SUMS:_SUMS + len(sums)] = sums
+        self.w[_FINAL] = seq
+
+    def wait_final(self, seq: int, deadline: float, what: str) -> None:
+        self._wait(lambda: int(self.w[_FINAL]) == seq, deadline, what, peer=_SPID)
 
     # ---- sender ---------------------------------------------------------------------------------------
     def publish(self, slot: int, seq: int, first: int, sums: list[int]) -> None:

@@ -10,7 +10,9 @@ A colocated (`ipc`) receiver is fed one of two ways: per bucket (`receive_ipc`, 
 engines whose loading we do not drive, SGLang), or as a stream (`connect_stream` once, then one
 `receive_stream` per sync that takes every bucket through a shared-memory mailbox, see mailbox.py). Stream and
 broadcast receivers with `expect_sums` compare each tensor with the sender's checksum themselves and raise on a
-difference, so an engine never resumes generating with weights nobody checked.
+difference, so an engine never resumes generating with weights nobody checked. On CUDA the sender may hand a
+stream's buckets over on the device (mailbox.py, "GPU hand-over"): each load then waits for the sender's event on
+this stream, its checksums stay on the device, and every tensor is compared once, at the sync's end.
 
 The checksums returned are of what the engine holds after loading (its own parameters), not of the
 received bytes: a load that silently skips or mangles a tensor shows up as a mismatch. With a `LoadReplay`
@@ -27,8 +29,8 @@ import torch
 from rlhf_orch.weight_sync.buckets import BucketLayout, checksums, max_bucket_bytes, unpack
 from rlhf_orch.weight_sync.collective import BroadcastGroup
 from rlhf_orch.errors import WeightSyncError
-from rlhf_orch.weight_sync.ipc import HandleCache, IpcHandle, open_handle
-from rlhf_orch.weight_sync.mailbox import SLOTS, Mailbox, seq_of
+from rlhf_orch.weight_sync.ipc import HandleCache, IpcHandle, ipc_events, open_event, open_handle
+from rlhf_orch.weight_sync.mailbox import DEVICE, SLOTS, Mailbox, seq_of
 from rlhf_orch.weight_sync.replay import LoadReplay
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
@@ -78,6 +80,8 @@ class WeightReceiver:
             self._firsts.append(self._firsts[-1] + len(lay.slots))
         self.mailbox: Mailbox | None = None
         self._stream_bufs: list[torch.Tensor] = []
+        self._events: list[torch.cuda.Event] | None = None        # ours, one per slot: "loaded from slot"
+        self._peer_events: list[torch.cuda.Event] | None = None   # the sender's: "packed into slot"
         self.timeout_s = 300.0
 
     def join_group(self, backend: str, host: str, port: int, rank: int, world_size: int,
@@ -97,14 +101,18 @@ class WeightReceiver:
         # Zeroed once: alignment padding is never written, so it stays identical on every rank.
         self._bufs = [torch.zeros(n, dtype=torch.uint8, device=self.device) for _ in range(2)]
 
-    def _load(self, layout: BucketLayout, buf: torch.Tensor, verify: bool) -> list[int]:
+    def _load(self, layout: BucketLayout, buf: torch.Tensor, verify: bool,
+              out: torch.Tensor | None = None) -> list[int] | None:
+        """Load one bucket; its checksums, or None where they went to `out` on the device (a replayed bucket)."""
         if self.replay is not None:
-            sums = self.replay.load(layout, buf, self.load_fn)
+            sums = self.replay.load(layout, buf, self.load_fn, out=out if verify else None)
         else:
             self.load_fn(list(unpack(layout, buf)))
             sums = None
         if not verify:
             return []
+        if sums is True:
+            return None
         if sums is None:
             if self.checksum_fn is None:
                 return []
@@ -156,6 +164,10 @@ class WeightReceiver:
                              "engine read RLHF_ORCH_SYNC_SLOTS differently; unset it or set it alike for both")
         self._stream_bufs = [open_handle(h) for h in buffer_handles]
         self.mailbox = Mailbox.create(self._firsts[-1])
+        if self.device.type == "cuda":
+            self._events, handles = ipc_events(SLOTS, self.device)
+            self.mailbox.put_events(False, handles)
+        self._peer_events = None   # a new sender: its events are opened at the first sync on the device
         self.timeout_s = float(timeout_s)
         return self.mailbox.handle()
 
@@ -179,6 +191,7 @@ class WeightReceiver:
         box.reset_failure()
         sums: list[int] = []
         load_s = wait_s = 0.0
+        on_device, dev = False, None
         try:
             for k, layout in enumerate(self.layouts):
                 slot, seq = k % SLOTS, seq_of(sync_id, k)
@@ -186,20 +199,53 @@ class WeightReceiver:
                 box.wait_ready(slot, seq, deadline, f"bucket {k} of sync {sync_id}")
                 if k == 0:
                     box.unlink()   # the sender has mapped it: no file needs to outlive a crash
+                    on_device, dev = self._begin_on_device(box, verify)
                 t2 = time.perf_counter()
-                got = self._load(layout, self._stream_bufs[slot], verify)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)   # the sender refills the slot once we acknowledge
-                if verify:
-                    self._compare(got, box.expected(self._firsts[k], len(got)), self._firsts[k], "ipc")
+                buf, first = self._stream_bufs[slot], self._firsts[k]
+                if on_device:
+                    stream = torch.cuda.current_stream(self.device)
+                    stream.wait_event(self._peer_events[slot])   # the sender's pack of this bucket
+                    got = self._load(layout, buf, verify, None if dev is None else dev[first:self._firsts[k + 1]])
+                    self._events[slot].record(stream)            # the sender refills the slot after this
+                    if got:
+                        dev[first:first + len(got)] = torch.tensor(got, dtype=torch.int64)   # the loader's path
+                else:
+                    got = self._load(layout, buf, verify)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)   # the sender refills the slot once we acknowledge
+                    if verify:
+                        self._compare(got, box.expected(first, len(got)), first, "ipc")
+                    sums.extend(got)
                 box.ack(slot, seq)
-                sums.extend(got)
                 wait_s += t2 - t1
+                load_s += time.perf_counter() - t2
+            if on_device:
+                t2 = time.perf_counter()
+                torch.cuda.synchronize(self.device)
+                if dev is not None:
+                    sums = dev.tolist()
+                    box.wait_final(seq_of(sync_id, len(self.layouts)), deadline, f"the checksums of sync {sync_id}")
+                    self._compare(sums, box.expected(0, len(sums)), 0, "ipc")
+                    self.last_sums.update(zip((s.name for lay in self.layouts for s in lay.slots), sums))
                 load_s += time.perf_counter() - t2
         except BaseException:
             box.fail()   # the sender stops waiting for us now, not at its deadline
             raise
-        return sums, {"load_s": load_s, "wait_s": wait_s, "total_s": time.perf_counter() - t0}
+        return sums, {"load_s": load_s, "wait_s": wait_s, "total_s": time.perf_counter() - t0,
+                      "on_device": float(on_device)}
+
+    def _begin_on_device(self, box: Mailbox, verify: bool) -> tuple[bool, torch.Tensor | None]:
+        """Whether the sender hands this sync over on the device; if so, a zeroed device tensor for our checksums."""
+        if box.mode() != DEVICE:
+            return False, None
+        if self._events is None:
+            raise WeightSyncError("the trainer hands buckets over on the GPU but this receiver made no CUDA events")
+        if self._peer_events is None:
+            handles = box.events(of_sender=True)
+            if handles is None:
+                raise WeightSyncError("the trainer hands buckets over on the GPU but left no events in the mailbox")
+            self._peer_events = [open_event(h, self.device) for h in handles]
+        return True, (torch.zeros(self._firsts[-1], dtype=torch.int64, device=self.device) if verify else None)
 
     def receive_ipc(self, handle: IpcHandle, bucket_index: int, verify: bool = True) -> list[int]:
         buf = self._cache.open(handle)

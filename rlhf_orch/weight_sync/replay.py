@@ -161,9 +161,12 @@ class LoadReplay:
         self.plans: dict[int, BucketPlan | str] = {}
         self._copy_plans = PlanCache()   # by (bucket, buffer), while the parameters stay where they were
 
-    def load(self, layout: BucketLayout, buf: torch.Tensor, load_fn) -> list[int] | None:
+    def load(self, layout: BucketLayout, buf: torch.Tensor, load_fn,
+             out: torch.Tensor | None = None) -> list[int] | bool | None:
         """Load one bucket, by its plan or by `load_fn`. Returns the per-tensor checksums of what the engine now
-        holds, or None when `load_fn` did the loading (the caller checksums as it always did)."""
+        holds, or None when `load_fn` did the loading (the caller checksums as it always did). With `out` (zeroed
+        int64 on the device, one per tensor) a planned bucket's sums go there without a host wait, and True
+        is returned in their place."""
         if not self.enabled:
             load_fn(list(unpack(layout, buf)))
             return None
@@ -174,11 +177,11 @@ class LoadReplay:
             if isinstance(plan, str):
                 logger.info("weight sync: bucket %d loads through the engine's loader: %s", layout.index, plan)
                 return None
-            return self._run(layout, plan, buf, params, copy=False)   # the recording run did the copies
+            return self._run(layout, plan, buf, params, copy=False, out=out)   # the recording run did the copies
         if isinstance(plan, str) or not self._fits(plan, params, buf.device):
             load_fn(list(unpack(layout, buf)))
             return None
-        return self._run(layout, plan, buf, params, copy=True)
+        return self._run(layout, plan, buf, params, copy=True, out=out)
 
     def status(self) -> dict:
         """Which buckets replay and why the others do not (for tests, benchmarks and logs)."""
@@ -194,7 +197,8 @@ class LoadReplay:
                 return False   # asleep (emptied) or replaced: the loader knows what to say
         return True
 
-    def _run(self, layout: BucketLayout, plan: BucketPlan, buf: torch.Tensor, params, copy: bool) -> list[int]:
+    def _run(self, layout: BucketLayout, plan: BucketPlan, buf: torch.Tensor, params, copy: bool,
+             out: torch.Tensor | None) -> list[int] | bool:
         def build() -> CopyPlan:
             bytes_of = {n: as_bytes(params[n]) for n in plan.shapes}
             src = buf.view(torch.uint8)
@@ -205,7 +209,7 @@ class LoadReplay:
         # Keyed by the parameters' addresses: memory that moved (a wake-up) gets a new plan.
         addresses = tuple(params[n].data_ptr() for n in plan.shapes)
         cp = self._copy_plans.get((layout.index, buf.data_ptr()), addresses, build)
-        sums = cp.run(copy=copy)
+        sums = cp.run(copy=copy, out=out)
         for f in plan.fills:
             as_bytes(params[f.param])[f.dst_off:f.dst_off + f.nbytes].view(f.dtype).fill_(f.value)
-        return sums
+        return True if out is not None else sums

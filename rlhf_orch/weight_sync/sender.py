@@ -19,10 +19,17 @@ mailbox and, before refilling a buffer, wait for the engine's acknowledgement th
 mailbox.py). Any other ipc engine (SGLang) gets each bucket's handle by a call, injected as `deliver`/`wait`
 callables: the actor shell uses Ray calls, tests may call a receiver directly. With `bcast_sums`, rank 0
 follows the last broadcast bucket with its checksums so broadcast receivers verify themselves.
+
+On CUDA, when every ipc engine of the rank streams, a sync hands buckets over on the device (mailbox.py, "GPU
+hand-over"): the pack's checksums stay in a device tensor, a shared event tells the engine's stream when a bucket
+is packed and the engine's event tells ours when a buffer may be refilled, so this host never waits for the GPU
+until the sync's end. RLHF_ORCH_SYNC_HANDOVER=host keeps the per-bucket host hand-over (`gpu_handover`, which
+the benchmark flips per round to compare the two).
 This module never imports Ray.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -31,11 +38,11 @@ import torch
 
 from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.types import dtype_from_name
-from rlhf_orch.weight_sync.buckets import BucketLayout, checksums, max_bucket_bytes, slot_view
+from rlhf_orch.weight_sync.buckets import BucketLayout, _word_sum, checksums, max_bucket_bytes, slot_view
 from rlhf_orch.weight_sync.collective import BroadcastGroup
 from rlhf_orch.weight_sync.copysum import CopyPlan, PlanCache, Run, as_bytes
-from rlhf_orch.weight_sync.ipc import IpcHandle, allocate_shared, export_handle
-from rlhf_orch.weight_sync.mailbox import SLOTS, Mailbox, seq_of
+from rlhf_orch.weight_sync.ipc import IpcHandle, allocate_shared, export_handle, ipc_events, open_event
+from rlhf_orch.weight_sync.mailbox import DEVICE, HOST, SLOTS, Mailbox, seq_of
 
 Deliver = Callable[[str, object, int, int], object]   # (engine, IpcHandle, bucket index, version) -> token
 Wait = Callable[[object], list[int]]                   # token -> engine's checksums for that bucket
@@ -67,6 +74,11 @@ class WeightSender:
         self._views: dict[tuple, list[torch.Tensor]] = {}   # (bucket, buffer) -> its slots' views
         self._dtypes: dict[int, list[torch.dtype]] = {}
         self.active = bool(self.ipc_engines) or group is not None
+        # GPU hand-over with streaming engines (module doc); the benchmark flips it between rounds.
+        self.gpu_handover = device.type == "cuda" and os.environ.get("RLHF_ORCH_SYNC_HANDOVER", "device") != "host"
+        self._events: list[torch.cuda.Event] | None = None     # ours, one per slot: "bucket packed"
+        self._event_handles: list[bytes] = []
+        self._peer_events: dict[str, list[torch.cuda.Event]] = {}   # each stream engine's: "slot loaded"
         self._bufs: list[tuple[str, torch.Tensor]] = []
         self._handles = []
         if self.active:
@@ -83,7 +95,13 @@ class WeightSender:
     def attach_mailbox(self, engine: str, handle: bytes) -> None:
         if engine not in self.ipc_engines:
             raise ValueError(f"{engine} is not an ipc engine of this rank")
-        self.mailboxes[engine] = Mailbox.attach(handle)
+        box = self.mailboxes[engine] = Mailbox.attach(handle)
+        peer = box.events(of_sender=False)   # the receiver made its events when it made the mailbox (CUDA only)
+        if self.device.type == "cuda" and peer is not None:
+            if self._events is None:
+                self._events, self._event_handles = ipc_events(SLOTS, self.device)
+            box.put_events(True, self._event_handles)
+            self._peer_events[engine] = [open_event(h, self.device) for h in peer]
 
     def _slot_views(self, layout: BucketLayout, slot: int) -> list[torch.Tensor]:
         """Typed views of every tensor's place in ring buffer `slot`, made once (an MoE bucket has ~170 tensors, and
@@ -94,10 +112,11 @@ class WeightSender:
             views = self._views[(layout.index, slot)] = [slot_view(buf, s) for s in layout.slots]
         return views
 
-    def _pack_and_sum(self, layout: BucketLayout, slot: int, srcs: list) -> list[int]:
+    def _pack_and_sum(self, layout: BucketLayout, slot: int, srcs: list, out: torch.Tensor | None = None) -> list[int]:
         """Pack one bucket and checksum every tensor in the same pass (copysum.py). Tensors that must change dtype
         on the way are copied by torch and checksummed from the bucket. The plan is cached by the tensors'
-        addresses: parameters that stay put (ZeRO-1/2) reuse it at every sync."""
+        addresses: parameters that stay put (ZeRO-1/2) reuse it at every sync. With `out` (zeroed int64 on the
+        device, one per tensor) the sums stay there, nothing waits for the device, and [] is returned."""
         dtypes = self._dtypes.get(layout.index)
         if dtypes is None:
             dtypes = self._dtypes[layout.index] = [dtype_from_name(s.dtype) for s in layout.slots]
@@ -108,11 +127,13 @@ class WeightSender:
         rest = sorted(set(range(len(srcs))) - set(same))
         if rest:
             torch._foreach_copy_([dsts[i] for i in rest], [srcs[i] for i in rest], non_blocking=True)
-        sums = plan.run()
-        if rest:
+        sums = plan.run(out=out)
+        if rest and out is not None:
+            out.index_copy_(0, torch.tensor(rest, device=out.device), torch.stack([_word_sum(dsts[i]) for i in rest]))
+        elif rest:
             for i, s in zip(rest, checksums(dsts[i] for i in rest)):
                 sums[i] = s
-        return sums
+        return sums or []
 
     def _sync_device(self):
         if self.device.type == "cuda":
@@ -132,6 +153,14 @@ class WeightSender:
             raise ValueError("ipc engines without a mailbox need deliver and wait callables")
         deadline = time.monotonic() + self.timeout_s
         pending: list[list] = [[] for _ in range(SLOTS)]   # per buffer: broadcast work, ipc tokens, stream acks
+        on_device = (self.gpu_handover and bool(self.mailboxes) and not called
+                     and all(e in self._peer_events for e in self.mailboxes))
+        stream = torch.cuda.current_stream(self.device) if on_device else None
+        dev_sums = None
+        if on_device and self.verify:
+            dev_sums = torch.zeros(sum(len(lay.slots) for lay in self.layouts), dtype=torch.int64, device=self.device)
+        for box in self.mailboxes.values():
+            box.begin(DEVICE if on_device else HOST)
 
         def drain(slot: int):
             t0 = time.perf_counter()
@@ -145,11 +174,19 @@ class WeightSender:
             pending[slot] = []
             res.wait_s += time.perf_counter() - t0
 
+        def refill(slot: int):
+            drain(slot)
+            if on_device:
+                # The engine queued its load from this buffer (its `done`); the device waits for the load itself.
+                # Also right for a slot's first use in a sync: its event then marks the previous sync's last load.
+                for engine in self.mailboxes:
+                    stream.wait_event(self._peer_events[engine][slot])
+
         it = iter(named)
         first = 0   # index of the bucket's first tensor in the flat checksum list
         for layout in self.layouts:
             slot = layout.index % SLOTS
-            drain(slot)
+            refill(slot)
             buf = self._bufs[slot][1]
             t0 = time.perf_counter()
             # Pull the bucket's tensors, then copy (and checksum) them in one launch. The trainer
@@ -168,7 +205,13 @@ class WeightSender:
                     raise WeightSyncError(f"{name}: shape {tuple(t.shape)} does not match the layout's {s.shape}")
                 srcs.append(t)
             sums: list[int] = []
-            if self.verify:
+            if on_device:
+                if dev_sums is not None:
+                    self._pack_and_sum(layout, slot, srcs, out=dev_sums[first:first + len(layout.slots)])
+                else:
+                    torch._foreach_copy_(self._slot_views(layout, slot), srcs, non_blocking=True)
+                self._events[slot].record(stream)   # the engine's stream waits for this, not our host
+            elif self.verify:
                 sums = self._pack_and_sum(layout, slot, srcs)   # its host read also waits for the copies
                 res.checksums.extend(sums)
             else:
@@ -195,6 +238,13 @@ class WeightSender:
             drain((n + k) % SLOTS)
         if next(it, None) is not None:
             raise WeightSyncError("trainer yielded more tensors than the layout expects; re-plan the sync")
+        if on_device:
+            t0 = time.perf_counter()
+            if dev_sums is not None:
+                res.checksums = dev_sums.tolist()   # the one host wait for our packs
+            res.pack_s += time.perf_counter() - t0
+            for box in self.mailboxes.values():
+                box.publish_final(seq_of(sync_id, len(self.layouts)), res.checksums)
         if self.bcast_sums:
             # Broadcast engines compare each tensor with these before they resume (receiver.py).
             self.group.broadcast(torch.tensor(res.checksums, dtype=torch.int64, device=self.device), src=0)

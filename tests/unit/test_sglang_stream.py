@@ -111,7 +111,7 @@ def test_two_syncs_in_one_call_each_then_replayed_copies_follow_the_weights(tmp_
         (sums, timings), out = _sync(eng, sender, values, sync_id)
         want = checksums(values[s.name] for s in MODEL)
         assert out["sent"].checksums == want and sums == want
-        assert set(timings) == {"load_s", "wait_s", "total_s"}
+        assert set(timings) == {"load_s", "wait_s", "total_s", "on_device"} and timings["on_device"] == 0.0   # CPU: host hand-over
         assert_bit_equal(model.qkv.data, torch.cat([values["q"], values["k"]]), f"qkv after sync {sync_id}")
         assert_bit_equal(model.w.data, values["w"], "w")
         assert_bit_equal(model.b.data, values["b"], "b")

@@ -111,7 +111,7 @@ def test_stream_and_self_verifying_broadcast_two_syncs_without_a_call_per_bucket
             want = checksums(values[s.name] for s in MODEL)
             assert res.checksums == want and res.engine_checksums == {}
             status, (sums_a, params_a, timings) = _answer(parent)
-            assert status == "ok" and sums_a == want and timings == ["load_s", "total_s", "wait_s"]
+            assert status == "ok" and sums_a == want and timings == ["load_s", "on_device", "total_s", "wait_s"]
             status, (sums_b, params_b) = q.get(timeout=CHILD_TIMEOUT_S)
             assert status == "ok" and sums_b == want
             for name, t in values.items():
@@ -199,3 +199,36 @@ def test_mailbox_sequence_numbers_never_match_an_earlier_sync():
     peer.publish(0, seq_of(6, 0), 0, [])       # the mappings still work after the unlink
     box.wait_ready(0, seq_of(6, 0), time.monotonic() + 1, "after unlink")
 
+
+
+def test_mailbox_carries_the_gpu_handover_words_and_both_sides_event_handles():
+    """The GPU hand-over's host words (mailbox.py): each side's 64-byte event handles (one per slot), the mode
+    the sender chose for a sync, and its final checksums after the last bucket. The events themselves need CUDA
+    (tests/gpu/test_gpu_handover.py); on CPU every sync is a host hand-over."""
+    from rlhf_orch.weight_sync.mailbox import DEVICE, HOST, SLOTS
+    box = Mailbox.create(4)
+    peer = Mailbox.attach(box.handle())
+    assert box.events(of_sender=True) is None and peer.events(of_sender=False) is None   # none made yet
+    mine = [bytes([i + 1]) * 64 for i in range(SLOTS)]
+    theirs = [bytes(range(i, i + 64)) for i in range(SLOTS)]
+    box.put_events(False, mine)
+    peer.put_events(True, theirs)
+    assert peer.events(of_sender=False) == mine and box.events(of_sender=True) == theirs
+    with pytest.raises(ValueError, match="slots"):
+        box.put_events(False, mine[:1])
+    peer.begin(DEVICE)
+    assert box.mode() == DEVICE
+    peer.begin(HOST)
+    assert box.mode() == HOST
+    with pytest.raises(WeightSyncError, match="deadline"):
+        box.wait_final(seq_of(3, 2), time.monotonic() + 0.05, "final sums")
+    peer.publish_final(seq_of(3, 2), [1, -2, 3, 2**63 - 1])
+    box.wait_final(seq_of(3, 2), time.monotonic() + 1, "final sums")
+    assert box.expected(0, 4) == [1, -2, 3, 2**63 - 1]
+
+
+def test_a_cpu_sender_hands_over_on_the_host():
+    """Without CUDA there are no events: the sender keeps the per-bucket host hand-over, so CPU runs are unchanged."""
+    layouts = plan_buckets(MODEL, BUCKET)
+    sender = WeightSender(layouts, CPU, ipc_engines=["A"])
+    assert sender.gpu_handover is False
