@@ -297,25 +297,24 @@ class Case:
         a, tr = self.args, self.tr
         measures, phases, receiver, verified = defaultdict(list), defaultdict(list), defaultdict(list), 0
         for r in range(a.warmup + a.repeats):
-            torch._foreach_neg_(list(tr.params.values()))   # every round sends different bytes (untimed)
-            tr.sync()
+            self._negate()   # every round sends different bytes (untimed)
             rec = {"floor": self.floor_copy() if self.coloc else self.floor_bcast(self.parts["floor"])}
             if a.compare_handover and self.sender is not None and self.sender.gpu_handover:
                 # The same sync with the host hand-over per bucket, in the same round; which goes first alternates.
                 host_first = r % 2 == 1
                 if host_first:
                     rec["sync_host"], ph_h = self._host_handover(r)
-                    torch._foreach_neg_(list(tr.params.values()))   # each sync moves other bytes than the last
+                    self._negate()   # each sync moves other bytes than the last
                 rec["sync"], ph, eng = self.sync(r)
                 if not host_first:
-                    torch._foreach_neg_(list(tr.params.values()))
+                    self._negate()
                     rec["sync_host"], ph_h = self._host_handover(r)
                 for k in ("pack", "wait", "load"):
                     rec[f"host_{k}"] = ph_h[f"sync/{k}_s"]
             else:
                 rec["sync"], ph, eng = self.sync(r)
             if a.compare_loads:   # the same sync with the engine's own loader, in the same round (replay off)
-                torch._foreach_neg_(list(tr.params.values()))
+                self._negate()
                 self._all("set_replay", False, names=list(self.streaming))
                 rec["sync_loader"], ph_l, _ = self.sync(r)
                 self._all("set_replay", True, names=list(self.streaming))
@@ -339,6 +338,12 @@ class Case:
                     bucket_mb=a.bucket_mb, verify=self.verify, verified=verified, repeats=a.repeats, warmup=a.warmup,
                     plan=self.plan.summary(), streaming=sorted(self.streaming),
                     measures=dict(measures), phases=dict(phases), receiver=dict(receiver))
+
+    def _negate(self) -> None:
+        """Negate the trainer's weights and wait for it: untimed. (Until 2026-11-27 the second sync of a round,
+        --compare-loads' replay-off one, started behind this un-awaited negation, ~8 ms of GPU work for 8B.)"""
+        torch._foreach_neg_(list(self.tr.params.values()))
+        self.tr.sync()
 
     def _host_handover(self, r: int):
         """One sync with the per-bucket host hand-over (RLHF_ORCH_SYNC_HANDOVER=host), verified like the rest."""

@@ -122,11 +122,13 @@ def test_colocated_stream_into_sglang_in_one_call_per_sync(engine, dirs):
         k = sync_id % 2
         engine.pause()
         res = {}
+        sender.gpu_handover = sync_id != 3   # sync 3: the per-bucket host hand-over (weight_sync/mailbox.py)
         t = threading.Thread(target=lambda: res.update(r=sender.send(iter(models[k]), 10 + sync_id, sync_id=sync_id)))
         t.start()
         got, metrics = engine.receive_stream(sync_id, True)
         t.join(120)
-        assert got == res["r"].checksums and set(metrics) == {"load_s", "wait_s", "total_s"}
+        assert got == res["r"].checksums and set(metrics) == {"load_s", "wait_s", "total_s", "on_device"}
+        assert metrics["on_device"] == float(sender.gpu_handover), (sync_id, metrics)
         engine.finish_sync(10 + sync_id)
         engine.resume()
         _check_logprobs(engine, dirs[k], 10 + sync_id)
