@@ -340,7 +340,7 @@ class Case:
                     measures=dict(measures), phases=dict(phases), receiver=dict(receiver))
 
     def _negate(self) -> None:
-        """Negate the trainer's weights and wait for it: untimed. (Until 2026-11-27 the second sync of a round,
+        """Negate the trainer's weights and wait for it: untimed. (Until 2026-11-26 the second sync of a round,
         --compare-loads' replay-off one, started behind this un-awaited negation, ~8 ms of GPU work for 8B.)"""
         torch._foreach_neg_(list(self.tr.params.values()))
         self.tr.sync()
