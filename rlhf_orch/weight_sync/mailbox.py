@@ -20,15 +20,18 @@ keeps in order. The file is a plain mapping, not torch's shared-memory sharing: 
 waited at exit until every process that mapped its tensor let go (30 s and more, seen in the benchmark). The
 receiver unlinks the file once the sender has mapped it (at its first sync, or when it closes); mappings stay valid.
 
-GPU hand-over (CUDA, both sides with events; the sender chooses per sync and writes `mode` before bucket 0):
-the words above then say only that a side has *queued* its work, and the device orders the rest. The sender
-records its event for `slot` after queueing the pack and stores `ready`; the receiver makes its stream wait for
-that event, queues the load, records its own event for `slot` and stores `done`; before refilling `slot` the
-sender's stream waits for the receiver's event. Neither host waits for the GPU per bucket (on a shared GPU those
-waits left the device idle between the two processes' kernels). Checksums are then kept on the device and
-compared once per sync: the sender stores every tensor's sum and then `final` (the sync's last sequence number)
-after its last pack, and the receiver compares them with its own before it returns. Each side writes its
-events' IPC handles here (`put_events`), so no other channel changes.
+GPU hand-over (CUDA, both sides with events; the sender chooses per sync and writes `mode` before bucket 0): the
+words above then say only that a side has *queued* its work, and each side's CUDA event per slot says when that
+work is done on the device. The sender records its event for `slot` after queueing the pack and stores `ready`; the
+receiver waits (`wait_event`) until that event has completed, queues the load, records its own event for `slot`
+and stores `done`; before refilling `slot` the sender waits until the receiver's event has completed. Neither host
+waits for its *own* GPU per bucket, so each keeps its next bucket queued while the other process's kernels run (on
+a shared GPU the per-bucket host syncs left the device idle between them). The events are polled from the host,
+never waited on by a stream: a stream that waits on the event of a process that is killed first waits forever
+(bench/device/probe_ipc_event_kill.py), while a host that polls sees the peer gone (its pid, below) and raises.
+Checksums are then kept on the device and compared once per sync: the sender stores every tensor's sum and then
+`final` (the sync's last sequence number) after its last pack, and the receiver compares them with its own before it
+returns. Each side writes its events' IPC handles here (`put_events`), so no other channel changes.
 This module moves no tensor data and knows nothing of engines or Ray.
 """
 from __future__ import annotations
@@ -125,6 +128,11 @@ class Mailbox:
 
     def mode(self) -> int:
         return int(self.w[_MODE])
+
+    def wait_event(self, event, deadline: float, what: str, sender: bool) -> None:
+        """Poll the peer's CUDA event (anything with `query()`) until its latest record is done on the device; raises
+        if the peer's process is gone or gave up (`sender`: we are the sender, the peer is the receiver)."""
+        self._wait(event.query, deadline, what, peer=_PID if sender else _SPID)
 
     def publish_final(self, seq: int, sums: list[int]) -> None:
         """Sender, after the last bucket of a DEVICE sync: every tensor's checksum, then `final` = `seq`."""

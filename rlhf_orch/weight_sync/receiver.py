@@ -11,8 +11,9 @@ engines whose loading we do not drive, SGLang), or as a stream (`connect_stream`
 `receive_stream` per sync that takes every bucket through a shared-memory mailbox, see mailbox.py). Stream and
 broadcast receivers with `expect_sums` compare each tensor with the sender's checksum themselves and raise on a
 difference, so an engine never resumes generating with weights nobody checked. On CUDA the sender may hand a
-stream's buckets over on the device (mailbox.py, "GPU hand-over"): each load then waits for the sender's event on
-this stream, its checksums stay on the device, and every tensor is compared once, at the sync's end.
+stream's buckets over through shared CUDA events (mailbox.py, "GPU hand-over"): each load then waits for the
+sender's event of its buffer, is queued without a host sync, and its checksums stay on the device; every tensor is
+compared once, at the sync's end.
 
 The checksums returned are of what the engine holds after loading (its own parameters), not of the
 received bytes: a load that silently skips or mangles a tensor shows up as a mismatch. With a `LoadReplay`
@@ -203,10 +204,11 @@ class WeightReceiver:
                 t2 = time.perf_counter()
                 buf, first = self._stream_bufs[slot], self._firsts[k]
                 if on_device:
-                    stream = torch.cuda.current_stream(self.device)
-                    stream.wait_event(self._peer_events[slot])   # the sender's pack of this bucket
+                    # The sender's pack of this bucket, done on the device (polled: see mailbox.py).
+                    box.wait_event(self._peer_events[slot], deadline, f"bucket {k} of sync {sync_id} (its event)", False)
+                    t2 = time.perf_counter()
                     got = self._load(layout, buf, verify, None if dev is None else dev[first:self._firsts[k + 1]])
-                    self._events[slot].record(stream)            # the sender refills the slot after this
+                    self._events[slot].record(torch.cuda.current_stream(self.device))   # the sender refills after it
                     if got:
                         dev[first:first + len(got)] = torch.tensor(got, dtype=torch.int64)   # the loader's path
                 else:

@@ -20,10 +20,10 @@ mailbox.py). Any other ipc engine (SGLang) gets each bucket's handle by a call, 
 callables: the actor shell uses Ray calls, tests may call a receiver directly. With `bcast_sums`, rank 0
 follows the last broadcast bucket with its checksums so broadcast receivers verify themselves.
 
-On CUDA, when every ipc engine of the rank streams, a sync hands buckets over on the device (mailbox.py, "GPU
-hand-over"): the pack's checksums stay in a device tensor, a shared event tells the engine's stream when a bucket
-is packed and the engine's event tells ours when a buffer may be refilled, so this host never waits for the GPU
-until the sync's end. RLHF_ORCH_SYNC_HANDOVER=host keeps the per-bucket host hand-over (`gpu_handover`, which
+On CUDA, when every ipc engine of the rank streams, a sync hands buckets over through shared CUDA events
+(mailbox.py, "GPU hand-over"): the pack's checksums stay in a device tensor, our event per buffer says when a pack is
+done and the engine's when its load from that buffer is, so this host never waits for its own GPU per bucket, only
+(by polling) for the engine's load of a buffer it is about to refill. RLHF_ORCH_SYNC_HANDOVER=host keeps the per-bucket host hand-over (`gpu_handover`, which
 the benchmark flips per round to compare the two).
 This module never imports Ray.
 """
@@ -156,6 +156,7 @@ class WeightSender:
         on_device = (self.gpu_handover and bool(self.mailboxes) and not called
                      and all(e in self._peer_events for e in self.mailboxes))
         stream = torch.cuda.current_stream(self.device) if on_device else None
+        what = "{} loading bucket {} (its event)"
         dev_sums = None
         if on_device and self.verify:
             dev_sums = torch.zeros(sum(len(lay.slots) for lay in self.layouts), dtype=torch.int64, device=self.device)
@@ -174,19 +175,22 @@ class WeightSender:
             pending[slot] = []
             res.wait_s += time.perf_counter() - t0
 
-        def refill(slot: int):
+        def refill(slot: int, k: int):
             drain(slot)
             if on_device:
-                # The engine queued its load from this buffer (its `done`); the device waits for the load itself.
-                # Also right for a slot's first use in a sync: its event then marks the previous sync's last load.
-                for engine in self.mailboxes:
-                    stream.wait_event(self._peer_events[engine][slot])
+                # The engine has queued its load from this buffer (its `done`); wait until the load itself is done.
+                # Polled, not a stream wait: a stream waiting on a killed engine's event would hang for good. Also
+                # right for a buffer's first use in a sync: its event then marks the previous sync's last load.
+                t0 = time.perf_counter()
+                for engine, box in self.mailboxes.items():
+                    box.wait_event(self._peer_events[engine][slot], deadline, what.format(engine, k - SLOTS), True)
+                res.wait_s += time.perf_counter() - t0
 
         it = iter(named)
         first = 0   # index of the bucket's first tensor in the flat checksum list
         for layout in self.layouts:
             slot = layout.index % SLOTS
-            refill(slot)
+            refill(slot, layout.index)
             buf = self._bufs[slot][1]
             t0 = time.perf_counter()
             # Pull the bucket's tensors, then copy (and checksum) them in one launch. The trainer
@@ -210,7 +214,7 @@ class WeightSender:
                     self._pack_and_sum(layout, slot, srcs, out=dev_sums[first:first + len(layout.slots)])
                 else:
                     torch._foreach_copy_(self._slot_views(layout, slot), srcs, non_blocking=True)
-                self._events[slot].record(stream)   # the engine's stream waits for this, not our host
+                self._events[slot].record(stream)   # the engine polls this before it loads the buffer
             elif self.verify:
                 sums = self._pack_and_sum(layout, slot, srcs)   # its host read also waits for the copies
                 res.checksums.extend(sums)

@@ -10,7 +10,10 @@ checksum mismatch or as wrong bytes in the engine's parameters (both checked aft
 """
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -40,7 +43,25 @@ def _values(version: int) -> dict[str, torch.Tensor]:
     return {s.name: torch.randn(s.shape, generator=g, device="cuda").to(getattr(torch, s.dtype)) for s in MODEL}
 
 
-def _engine(layouts, conn, replay: bool, corrupt: str | None):
+def _die_with_a_load_queued(recv: WeightReceiver, bucket: int) -> None:
+    """Fault seam: after queueing bucket `bucket`'s load (at the second sync: replayed, no host wait), queue ~2 s of
+    GPU spinning behind it and SIGKILL this process 0.3 s later, so the trainer has seen the bucket acknowledged
+    while the engine's event for it can never complete."""
+    load, count = recv._load, [0]
+
+    def wrapped(layout, buf, verify, out=None):
+        got = load(layout, buf, verify, out)
+        if layout.index == bucket:
+            count[0] += 1
+            if count[0] == 2:
+                torch.cuda._sleep(int(4e9))
+                threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        return got
+
+    recv._load = wrapped
+
+
+def _engine(layouts, conn, replay: bool, corrupt: str | None, die_at: int | None = None):
     try:
         dev = torch.device("cuda", 0)
         params = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=dev) for s in MODEL}
@@ -53,6 +74,8 @@ def _engine(layouts, conn, replay: bool, corrupt: str | None):
 
         recv = WeightReceiver(layouts, dev, load_fn, lambda names: checksums(params[n] for n in names),
                               LoadReplay(lambda: params) if replay else None)
+        if die_at is not None:
+            _die_with_a_load_queued(recv, die_at)
         handles, timeout_s = conn.recv()
         conn.send(("ok", recv.connect_stream(handles, timeout_s)))
         while True:
@@ -69,11 +92,11 @@ def _engine(layouts, conn, replay: bool, corrupt: str | None):
         conn.send(("error", repr(e)))
 
 
-def _start(replay=True, corrupt=None):
+def _start(replay=True, corrupt=None, die_at=None):
     layouts = plan_buckets(MODEL, BUCKET)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_engine, args=(layouts, child, replay, corrupt), daemon=True)
+    proc = ctx.Process(target=_engine, args=(layouts, child, replay, corrupt, die_at), daemon=True)
     proc.start()
     sender = WeightSender(layouts, torch.device("cuda", 0), ipc_engines=["E"], timeout_s=CHILD_TIMEOUT_S)
     parent.send((sender.buffer_handles(), CHILD_TIMEOUT_S))
@@ -121,5 +144,31 @@ def test_a_corrupt_load_is_refused_at_the_end_of_a_device_handover():
         _, (status, answer) = _sync(sender, parent, 1, _values(1))
         assert status == "refused" and "layers.5.w" in answer, answer
         parent.send("stop")
+    finally:
+        stop_children([proc])
+
+
+def test_an_engine_killed_with_a_load_queued_stops_the_sync_and_leaves_the_trainer_working():
+    """The hand-over's fault case (bench/device/probe_ipc_event_kill.py): a stream that waited on the event of a
+    process killed before the GPU reached it would wait forever. The sender polls the engine's events from the host
+    instead, so it sees the engine's process gone, raises, and its own stream and context still work."""
+    layouts, sender, parent, proc = _start(die_at=6)
+    try:
+        res, (status, answer) = _sync(sender, parent, 1, _values(1))
+        assert status == "ok", answer
+        parent.send(2)
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match="gone"):
+            sender.send(iter(list(_values(2).items())), 2, sync_id=2)
+        assert time.monotonic() - t0 < 20, "the sender took its deadline, not the engine's death, to stop"
+        x = torch.ones(4, device="cuda")
+        x += 1
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + 20
+        while not done.query():
+            assert time.monotonic() < deadline, "the trainer's stream hangs after the engine died"
+            time.sleep(0.01)
+        assert x.sum().item() == 8
     finally:
         stop_children([proc])
