@@ -23,8 +23,10 @@ follows the last broadcast bucket with its checksums so broadcast receivers veri
 On CUDA, when every ipc engine of the rank streams, a sync hands buckets over through shared CUDA events
 (mailbox.py, "GPU hand-over"): the pack's checksums stay in a device tensor, our event per buffer says when a pack is
 done and the engine's when its load from that buffer is, so this host never waits for its own GPU per bucket, only
-(by polling) for the engine's load of a buffer it is about to refill. RLHF_ORCH_SYNC_HANDOVER=host keeps the per-bucket host hand-over (`gpu_handover`, which
-the benchmark flips per round to compare the two).
+(by polling) for the engine's load of a buffer it is about to refill. RLHF_ORCH_SYNC_HANDOVER=host keeps the
+per-bucket host hand-over (`gpu_handover`, which the benchmark flips per round to compare the two). A source whose
+memory is freed after its bucket (ZeRO-3's gathers) must be kept until the pack is done: the trainer's iterator
+synchronises before it frees a gathered group.
 This module never imports Ray.
 """
 from __future__ import annotations
