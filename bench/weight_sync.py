@@ -385,7 +385,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-one-call", action="store_true", help="sglang: skip SGLang's own one-call baseline")
     ap.add_argument("--naive", action="store_true", help="also the per-parameter path, after the rounds")
     ap.add_argument("--compare-handover", action="store_true",
-                    help="each round also syncs with the per-bucket host hand-over instead of the GPU's (CUDA streams)")
+                    help="each round also syncs with the per-bucket host hand-over instead of the GPU one (CUDA events)")
     ap.add_argument("--compare-loads", action="store_true",
                     help="each round also syncs with load replay off (the engine's loader at every sync)")
     ap.add_argument("--naive-repeats", type=int, default=2)

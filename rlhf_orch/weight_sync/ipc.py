@@ -10,8 +10,9 @@ Handles are opened once per buffer and cached by buffer id, because a sync reuse
 buffers every time (opening a CUDA IPC handle costs ~1 ms). This module does not decide when a
 buffer may be reused: the sender waits for the receiver's acknowledgement (see sender.py).
 
-`ipc_events` and `open_event` make CUDA events that two processes on one GPU share, so that one side's stream
-waits for the other side's work on the device (the GPU hand-over, mailbox.py) instead of its host waiting.
+`ipc_events` and `open_event` make CUDA events that two processes on one GPU share, so that one side's host can
+poll whether the other side's queued work is done on the device (the GPU hand-over, mailbox.py) without either
+host waiting for its own GPU.
 """
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ EVENT_HANDLE_BYTES = 64   # sizeof(cudaIpcEventHandle_t)
 
 def ipc_events(n: int, device: torch.device) -> tuple[list[torch.cuda.Event], list[bytes]]:
     """`n` interprocess events on `device` and their handles. An event is recorded on the creator's stream only;
-    another process opens the handle and makes its stream wait for the latest record (CUDA's re-record rule)."""
+    another process opens the handle and polls (`query`) the latest record. Not a stream wait there: that never
+    ends if the creator is killed before its record runs (bench/device/probe_ipc_event_kill.py)."""
     with torch.cuda.device(device):
         events = [torch.cuda.Event(interprocess=True) for _ in range(n)]
         handles = [bytes(e.ipc_handle()) for e in events]
