@@ -76,6 +76,7 @@ class WeightReceiver:
         self.expect_sums = False       # broadcast: the sender follows the buckets with its checksums
         self._bufs: list[torch.Tensor] = []
         self._cache = HandleCache()
+        self._names = [name for lay in self.layouts for name in lay.names]   # the flat checksum list's order
         self._firsts = [0]             # index of each bucket's first tensor in the flat checksum list
         for lay in self.layouts:
             self._firsts.append(self._firsts[-1] + len(lay.slots))
@@ -152,7 +153,7 @@ class WeightReceiver:
 
     def _compare(self, got: list[int], want: list[int], first: int, how: str) -> None:
         if got != want:
-            names = [s.name for lay in self.layouts for s in lay.slots][first:first + len(got)]
+            names = self._names[first:first + len(got)]
             bad = [n for n, g, w in zip(names, got, want) if g != w][:5]
             raise WeightSyncError(f"weights received by {how} differ from the trainer's (checksums); first "
                                   f"differing tensors: {bad}")
@@ -228,7 +229,7 @@ class WeightReceiver:
                     sums = dev.tolist()
                     box.wait_final(seq_of(sync_id, len(self.layouts)), deadline, f"the checksums of sync {sync_id}")
                     self._compare(sums, box.expected(0, len(sums)), 0, "ipc")
-                    self.last_sums.update(zip((s.name for lay in self.layouts for s in lay.slots), sums))
+                    self.last_sums.update(zip(self._names, sums))
                 load_s += time.perf_counter() - t2
         except BaseException:
             box.fail()   # the sender stops waiting for us now, not at its deadline
