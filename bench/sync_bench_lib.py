@@ -12,12 +12,14 @@ from the per-round seconds. This module times nothing the tables report except w
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing
 import os
 import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -405,3 +407,20 @@ def as_json(cases: list[dict]) -> list[dict]:
                 c[key + "_summary"] = {k: summary(v) for k, v in c[key].items()}
         out.append(c)
     return out
+
+
+def write_reports(cases: list[dict], machine: str, command: str, args: dict, out: str | None,
+                  json_path: str | None) -> str:
+    """The markdown tables (returned); appended as a dated section to `out`, and every round with the summaries
+    written as JSON to `json_path`, where given."""
+    text = markdown(cases)
+    label = next((c["engine"] for c in cases if "error" not in c), args["engine"])
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a") as f:
+            f.write(f"\n## Weight sync, {label} ({time.strftime('%Y-%m-%d')}, {machine})\n\n`{command}`\n\n{text}\n")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine,
+                                               "command": command, "args": args, "cases": as_json(cases)}, indent=1))
+    return text

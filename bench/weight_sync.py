@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import re
 import statistics
@@ -52,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.shapes import MODELS, SHAPES, model_dir  # noqa: E402
-from bench.sync_bench_lib import HOST, SAFE_ENV, TIMEOUT_S, Pool, as_json, markdown  # noqa: E402
+from bench.sync_bench_lib import HOST, SAFE_ENV, TIMEOUT_S, Pool, write_reports  # noqa: E402
 from rlhf_orch.types import dtype_from_name  # noqa: E402
 from rlhf_orch.weight_sync import WeightSender, digest, make_plan, plan_buckets  # noqa: E402
 from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port  # noqa: E402
@@ -494,19 +493,7 @@ def main():
             gc.collect()
     finally:
         pool.close()
-    text = markdown(cases)
-    print(text)
-    label = next((c["engine"] for c in cases if "error" not in c), args.engine)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(f"\n## Weight sync, {label} ({time.strftime('%Y-%m-%d')}, {machine})\n\n"
-                    f"`python {' '.join(sys.argv)}`\n\n{text}\n")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine,
-                                               "command": "python " + " ".join(sys.argv), "args": vars(args),
-                                               "cases": as_json(cases)}, indent=1))
+    print(write_reports(cases, machine, "python " + " ".join(sys.argv), vars(args), args.out, args.json))
     sys.exit(1 if any("error" in c for c in cases) else 0)
 
 
