@@ -315,6 +315,7 @@ class Cluster(EngineRecovery):
             try:
                 out = self._sync_once(version, resync)
             except WeightSyncError as err:
+                self._sync_aborted(err)
                 if not self._engines_died(err, f"weight sync v{version}"):
                     raise
                 out = self._sync_once(version, True)   # once more, with the replacements

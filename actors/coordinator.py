@@ -13,6 +13,11 @@ the stepwise sequence: pause -> every trainer rank streams its buckets (rank 0 b
 device hand each bucket's IPC handle to their engines) while broadcast engines receive -> compare every
 engine's checksums with its sender's here -> record the version -> resume. Both kinds in one sync are compared
 here as well. Only metadata passes through this actor: handles, checksums and timings, never tensor data.
+
+When one member of a sync fails (its process died, or its side raised), every other member is told at once
+(`abort_sync`: weight_sync/abort.py) and abandons the sync within milliseconds instead of waiting for the sync
+deadline, which grows with the model. The error raised carries `abort`, a record of who failed, when, and when each
+survivor let go; the engines stay paused until a verified sync (the driver replaces the dead member and syncs again).
 """
 from __future__ import annotations
 
@@ -21,8 +26,10 @@ import time
 
 import ray
 
+from ray.exceptions import RayActorError, RayTaskError
+
 from actors.common import get, setup_process
-from rlhf_orch.errors import WeightSyncError
+from rlhf_orch.errors import ACTOR_DIED, WeightSyncError
 from rlhf_orch.weight_sync import digest, make_plan, plan_buckets
 from rlhf_orch.weight_sync.plan import sync_deadline_s
 from rlhf_orch.weight_sync.verify import mismatches
@@ -45,6 +52,7 @@ class WeightSyncCoordinator:
         self.version = -1
         self.streaming: set[str] = set()   # engines that take a sync in one call (sync_weights)
         self.sync_id = 0                   # numbers the syncs for the mailboxes (see weight_sync/mailbox.py)
+        self.abort_grace_s = 30.0          # how long aborted survivors get to let go (they take milliseconds)
 
     def _get(self, refs, what):
         return get(refs, self.timeout_s, what, WeightSyncError)
@@ -97,6 +105,54 @@ class WeightSyncCoordinator:
         return {"plan": self.plan.summary(), "buckets": len(self.layouts), "tensors": len(specs),
                 "bytes": nbytes, "setup_s": time.perf_counter() - t0, "timeout_s": self.timeout_s}
 
+    def _gather(self, calls: dict, version: int) -> dict:
+        """{member: result} of every member's call of one sync. At the first failure every other member is told to
+        abort (`abort_sync`) and given `abort_grace_s` to let go; then WeightSyncError is raised with `abort`, the
+        record of the failure (weight_sync/abort.py)."""
+        pending = {ref: key for key, (_, ref) in calls.items()}
+        done, deadline = {}, time.monotonic() + self.timeout_s
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WeightSyncError(f"weight sync v{version}: timed out after {self.timeout_s:.0f}s (weight_sync."
+                                      f"timeout_s) waiting for {sorted(pending.values())}")
+            key = pending.pop(ready[0])
+            try:
+                done[key] = ray.get(ready[0])
+            except Exception as e:
+                raise self._abort(calls, key, e, pending, version) from None
+        return done
+
+    def _abort(self, calls: dict, culprit: str, err: Exception, pending: dict, version: int) -> WeightSyncError:
+        """Abort the sync on every member still in it; returns the error to raise, with the failure's record."""
+        t_fail = time.time()
+        cause = _describe(err)
+        logger.error("weight sync v%d (sync %d): %s failed (%s); aborting it on %s", version, self.sync_id, culprit,
+                     cause, sorted(pending.values()))
+        for key in pending.values():
+            calls[key][0].abort_sync.remote(self.sync_id)   # fire and forget: a dead member's call fails by itself
+        let_go, t_end = {}, time.monotonic() + self.abort_grace_s
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, t_end - time.monotonic()))
+            if not ready:
+                break
+            key = pending.pop(ready[0])
+            try:
+                ray.get(ready[0])
+                how = "finished"
+            except Exception as e:
+                how = _describe(e)
+            let_go[key] = {"after_s": round(time.time() - t_fail, 4), "how": how}
+        record = {"sync_id": self.sync_id, "version": version, "culprit": culprit, "cause": cause, "t_failure_seen": t_fail,
+                  "survivors": let_go, "still_waiting": sorted(pending.values()),
+                  "abort_s": max([v["after_s"] for v in let_go.values()], default=0.0)}
+        logger.warning("weight sync v%d aborted: survivors let go in %.3fs: %s%s", version, record["abort_s"], let_go,
+                       f"; still in it after {self.abort_grace_s:.0f}s: {record['still_waiting']}" if pending else "")
+        error = WeightSyncError(f"weight sync v{version} aborted: {culprit} failed ({cause}); "
+                                f"{len(let_go)} other member(s) abandoned it within {record['abort_s']:.3f}s")
+        error.abort = record
+        return error
+
     def reconfigure(self, engines: dict) -> dict:
         """The engines changed (one died, a replacement started): every live side leaves the old broadcast group,
         then the plan, buckets and group are made again with these engines (a new store port)."""
@@ -118,30 +174,27 @@ class WeightSyncCoordinator:
         t0 = time.perf_counter()
         names = list(self.engines)
         stepwise = [n for n in names if n not in self.streaming]
-        try:
-            self._get([self.engines[n].pause.remote(pause_mode) for n in stepwise], f"engines to pause ({pause_mode})")
-            return self._sync(version, names, stepwise, pause_mode, t0)
-        except WeightSyncError:
-            # Leave live engines generating; the driver finds out whether one died, replaces it and syncs again.
-            for n in names:
-                try:
-                    ray.get(self.engines[n].resume.remote(), timeout=10)
-                except Exception:
-                    pass
-            raise
+        # On failure the engines stay paused: one may hold part of this version. The driver replaces a dead member
+        # and syncs again (which resumes them), or restarts the run.
+        self._get([self.engines[n].pause.remote(pause_mode) for n in stepwise], f"engines to pause ({pause_mode})")
+        return self._sync(version, names, stepwise, pause_mode, t0)
 
     def _sync(self, version: int, names: list[str], stepwise: list[str], pause_mode: str, t0: float) -> dict:
         t_pause = time.perf_counter()
         self.sync_id += 1
-        send_refs = [t.send_weights.remote(version, self.sync_id) for t in self.trainers]
         routes = self.plan.routes
-        one_call = {n: self.engines[n].sync_weights.remote(version, self.sync_id, pause_mode, routes[n].transport)
-                    for n in names if n in self.streaming}
+        calls = {f"trainer rank {r}": (t, t.send_weights.remote(version, self.sync_id)) for r, t in enumerate(self.trainers)}
+        one_call = [n for n in names if n in self.streaming]
         bcast = [n for n in self.plan.broadcast_engines if n not in self.streaming]
-        recv_refs = [self.engines[n].receive_broadcast.remote(version) for n in bcast]
-        sent = self._get(send_refs, f"trainer ranks to send weights v{version}")
-        synced = dict(zip(one_call, self._get(list(one_call.values()), f"engines to take weights v{version}")))
-        received = dict(zip(bcast, self._get(recv_refs, f"engines to receive weights v{version}")))
+        for n in one_call:
+            calls[n] = (self.engines[n], self.engines[n].sync_weights.remote(version, self.sync_id, pause_mode,
+                                                                             routes[n].transport))
+        for n in bcast:
+            calls[n] = (self.engines[n], self.engines[n].receive_broadcast.remote(version, self.sync_id))
+        done = self._gather(calls, version)
+        sent = [done[f"trainer rank {r}"] for r in range(len(self.trainers))]
+        synced = {n: done[n] for n in one_call}
+        received = {n: done[n] for n in bcast}
         t_transfer = time.perf_counter()
         ipc_acks = [dict(r.engine_checksums) for r in sent]
         bcast_sums = {n: r[0] for n, r in received.items()}
@@ -183,3 +236,12 @@ class WeightSyncCoordinator:
             "sync/one_call_engines": len(synced),
             "sync/gpu_handover_engines": sum(int(r.get("on_device", 0.0)) for r in synced.values()),
         }
+
+
+def _describe(err: Exception) -> str:
+    """One line for a member's failure: a death as such, a member's own error by its first line."""
+    if isinstance(err, RayActorError):
+        return f"{ACTOR_DIED}: its process is gone ({type(err).__name__})"   # the driver's restart test reads it
+    cause = getattr(err, "cause", None) if isinstance(err, RayTaskError) else err
+    cause = cause if cause is not None else err
+    return f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}"

@@ -32,13 +32,33 @@ class EngineRecovery:
         re-queues their groups) and start replacements. False if no engine is dead (the error is someone else's).
         The probe, not the error's text, decides: a sync with a dead peer fails with a transport error."""
         dead = self._probe_engines(phase)
+        abort = getattr(err, "abort", None)   # a sync ended by one member's failure (the coordinator's record)
+        mid_sync = {} if not abort else {
+            "phase": "mid-sync", "sync_version": abort["version"], "t_failure_seen": abort["t_failure_seen"],
+            "failed_first": abort["culprit"], "survivors": abort["survivors"], "survivors_let_go_s": abort["abort_s"]}
         if not dead:
+            if abort:   # not an engine (a trainer rank): the run restarts; the record says how the engines let go
+                self.faults.append({"engine": None, "victim": abort["culprit"], "cause": abort["cause"],
+                                    "t": abort["t_failure_seen"], "replacement": None, "recovery": "run restart",
+                                    **mid_sync})
             return False
         for name, cause in dead.items():
             self._rget(self.rollouts.engine_died.remote(name, cause, phase), "rollout manager")
         logger.error("engine(s) %s died (seen in %s: %s); replacing", sorted(dead), phase, str(err).splitlines()[0][:200])
+        n = len(self.faults)
         self.replace_dead_engines()
+        for f in self.faults[n:]:
+            f.update(mid_sync)
         return True
+
+    def _sync_aborted(self, err: Exception) -> None:
+        """A sync that one member's failure ended (actors/coordinator.py `_gather`) goes on the timeline; the fault
+        records name it (`_engines_died`)."""
+        rec = getattr(err, "abort", None)
+        if rec:
+            t = rec["t_failure_seen"]
+            self.timeline.add("weight-sync", "aborted", t, t + rec["abort_s"], culprit=rec["culprit"],
+                              survivors=sorted(rec["survivors"]), still_waiting=rec["still_waiting"])
 
     def _probe_engines(self, phase: str) -> dict[str, str]:
         """{name: cause} of engines that do not answer a short health check (dead or frozen)."""
@@ -118,3 +138,5 @@ class EngineRecovery:
             for f in self.faults:
                 if f.get("replacement") == n:
                     f["serving_t"] = time.time()
+                    if "t_failure_seen" in f:   # a mid-sync death: from the failure to the replacement taking work
+                        f["to_serving_s"] = round(f["serving_t"] - f["t_failure_seen"], 3)

@@ -19,6 +19,7 @@ from actors.common import setup_process
 from rlhf_orch.engines import SamplingParams, engine_class
 from rlhf_orch.engines.base import streams_over
 from rlhf_orch.weight_sync import WeightReceiver
+from rlhf_orch.weight_sync.abort import AbortFlag
 
 
 @ray.remote(max_concurrency=64)
@@ -35,6 +36,7 @@ class RolloutActor:
         self._active = 0   # generate calls inside the engine
         self._calls_done = 0   # finished generate calls: with the engine's decode steps, the health check's progress
         self._concurrent = bool(getattr(self.engine, "concurrent_generate", False))
+        self.abort_flag = AbortFlag.create()   # the coordinator's abort_sync ends this engine's side of a sync at once
 
     def device_ids(self) -> list[str]:
         return self.engine.device_ids()
@@ -76,13 +78,21 @@ class RolloutActor:
         self.verify = verify
         self.close_receiver()   # a re-plan after an engine fault: leave the old broadcast group first
         if hasattr(self.engine, "setup_receiver"):
-            # Engines with their own worker processes (vLLM) run a receiver in every worker.
+            # Engines with their own worker processes (vLLM) run a receiver in every worker; those that declare
+            # `aborts_syncs` map this actor's abort flag there (then the file is no longer needed).
             self.receiver = self.engine
-            return self.engine.setup_receiver(layouts, group, rank, verify, timeout_s, replay)
+            if not getattr(self.engine, "aborts_syncs", False):
+                return self.engine.setup_receiver(layouts, group, rank, verify, timeout_s, replay)
+            secs = self.engine.setup_receiver(layouts, group, rank, verify, timeout_s, replay,
+                                              abort_flag=self.abort_flag.handle())
+            self.abort_flag.unlink()
+            return secs
         device = getattr(self.engine, "device", torch.device("cpu"))
         params = getattr(self.engine, "replay_params", None)   # hf: its parameters, checked awake
         self.receiver = WeightReceiver(layouts, device, self.engine.load_weights, self.engine.checksums,
                                        LoadReplay(params, replay) if params is not None else None)
+        self.receiver.abort_flag = self.abort_flag
+        self.abort_flag.unlink()   # this process holds the only mapping it needs
         if group is None:
             return 0.0
         return self.receiver.join_group(group["backend"], group["host"], group["port"], rank, group["world_size"],
@@ -110,7 +120,7 @@ class RolloutActor:
             if transport == "ipc":
                 sums, m = self.receiver.receive_stream(sync_id, self.verify)
             else:
-                sums, m = self.receiver.receive_broadcast(self.verify)
+                sums, m = self.receiver.receive_broadcast(self.verify, sync_id)
         except BaseException:
             abort = getattr(self.receiver, "abort_stream", None)
             if transport == "ipc" and callable(abort):
@@ -123,6 +133,12 @@ class RolloutActor:
                 "on_device": float(m.get("on_device", 0.0)),   # the GPU hand-over (weight_sync/mailbox.py)
                 "finish_s": time.perf_counter() - t2, "total_s": time.perf_counter() - t0}
 
+    def abort_sync(self, sync_id: int) -> float:
+        """The coordinator's word that sync `sync_id` failed elsewhere: this side's waits raise SyncAborted at once
+        (weight_sync/abort.py), also if the sync has not reached this engine yet. The engine stays paused."""
+        self.abort_flag.abort(int(sync_id))
+        return time.time()
+
     def close_receiver(self) -> None:
         close = getattr(self.receiver, "close", None)
         if callable(close):
@@ -132,8 +148,10 @@ class RolloutActor:
     def receive_ipc(self, handle, bucket_index: int, version: int) -> list[int]:
         return self.receiver.receive_ipc(handle, bucket_index, self.verify)
 
-    def receive_broadcast(self, version: int):
-        return self.receiver.receive_broadcast(self.verify)
+    def receive_broadcast(self, version: int, sync_id: int = 0):
+        if isinstance(self.receiver, WeightReceiver) or getattr(self.engine, "aborts_syncs", False):
+            return self.receiver.receive_broadcast(self.verify, sync_id)
+        return self.receiver.receive_broadcast(self.verify)   # SGLang's own receive (aborts at the group timeout)
 
     def rng_state(self):
         """None for engines whose sampling state cannot be saved (vLLM): their resume is not bit-exact."""

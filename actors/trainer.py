@@ -8,6 +8,7 @@ transports; Ray carries small batches, handles and metrics.
 from __future__ import annotations
 
 import os
+import time
 
 import ray
 
@@ -17,10 +18,11 @@ from rlhf_orch.errors import TrainerError
 from rlhf_orch.trainer.batch import shard
 from rlhf_orch.types import TrainBatch
 from rlhf_orch.weight_sync import WeightSender
+from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"abort": 1})
 class TrainerActor:
     def __init__(self, rank: int, world_size: int, device: str, device_id: str):
         setup_process(device)
@@ -30,6 +32,8 @@ class TrainerActor:
         self.sender = None
         self.engines = {}
         self.timeout_s = 300.0
+        self.abort_flag = AbortFlag.create()   # the coordinator's abort_sync ends this rank's side of a sync at once
+        self.abort_flag.unlink()               # only this process maps it
 
     def node_address(self) -> tuple[str, int]:
         ip = ray.util.get_node_ip_address()
@@ -175,8 +179,16 @@ class TrainerActor:
                                     timeout_s, self.trainer.device, ray.util.get_node_ip_address())
             bgroup.warmup()
         self.sender = WeightSender(layouts, self.trainer.device, list(ipc_engines), bgroup, verify,
-                                   bcast_sums=bool(group and group.get("sums")), timeout_s=timeout_s)
+                                   bcast_sums=bool(group and group.get("sums")), timeout_s=timeout_s,
+                                   abort_flag=self.abort_flag)
         return self.sender.buffer_handles()
+
+    @ray.method(concurrency_group="abort")
+    def abort_sync(self, sync_id: int) -> float:
+        """Answered on its own thread while `send_weights` runs: its waits raise SyncAborted at once, and rank 0
+        leaves the broadcast group, which frees every broadcast receiver (weight_sync/sender.py)."""
+        self.abort_flag.abort(int(sync_id))
+        return time.time()
 
     def attach_mailbox(self, engine: str, handle: bytes) -> None:
         """`engine` streams: hand it buckets through its shared-memory mailbox instead of one call per bucket."""

@@ -142,20 +142,23 @@ class VLLMEngine(EngineLifecycle):
                       finish_reason=reason, weight_version=self.weight_version, engine=self.name, text=c.text)
 
     # ---- weight sync (the actor shell forwards these; receivers live in the vLLM workers) ----------
+    aborts_syncs = True   # its workers' receivers poll the actor's abort flag (weight_sync/abort.py)
+
     def setup_receiver(self, layouts, group: dict | None, rank_offset: int, verify: bool, timeout_s: float,
-                       replay: bool = True) -> float:
+                       replay: bool = True, abort_flag: str | None = None) -> float:
         """Build a receiver in every worker; with `group`, worker k joins as rank rank_offset + k. Returns seconds.
-        `replay`: load by replaying the recorded copies after the first sync (vllm_worker.py)."""
+        `replay`: load by replaying the recorded copies after the first sync (vllm_worker.py). `abort_flag`: the
+        actor's flag (its file path), which every worker maps so that an aborted sync ends there at once."""
         self._need_weights_awake("setup_receiver")
         group = None if group is None else {k: group[k] for k in ("backend", "host", "port", "world_size", "sums")
                                             if k in group}
         secs = self._rpc("rlhf_setup_receiver", pack_arg(list(layouts)), group, int(rank_offset), bool(verify),
-                         float(timeout_s), bool(replay))
+                         float(timeout_s), bool(replay), abort_flag)
         return max(float(s) for s in secs)
 
-    def receive_broadcast(self, verify: bool = True) -> tuple[list[int], dict[str, float]]:
+    def receive_broadcast(self, verify: bool = True, sync_id: int = 0) -> tuple[list[int], dict[str, float]]:
         self._need_weights_awake("receive_broadcast")
-        results = self._rpc("rlhf_receive_broadcast", bool(verify))
+        results = self._rpc("rlhf_receive_broadcast", bool(verify), int(sync_id))
         sums = self._agree("receive_broadcast", [[int(x) for x in r[0]] for r in results])
         metrics: dict[str, float] = {}
         for _, m in results:

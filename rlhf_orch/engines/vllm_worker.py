@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.buckets import BucketLayout, TensorSlot
 from rlhf_orch.weight_sync.ipc import IpcHandle
 from rlhf_orch.weight_sync.receiver import ReceivedSums, WeightReceiver
@@ -97,7 +98,7 @@ class WeightSyncWorkerExtension:
         return "received"
 
     def rlhf_setup_receiver(self, layouts: Any, group: dict | None, rank_offset: int, verify: bool,
-                            timeout_s: float, replay: bool = True) -> float:
+                            timeout_s: float, replay: bool = True, abort_flag: str | None = None) -> float:
         """Build this worker's receiver; join the broadcast group as rank rank_offset + TP rank. Returns seconds."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
@@ -109,6 +110,10 @@ class WeightSyncWorkerExtension:
         params = dict(self._rlhf_model().named_parameters())   # the same Parameter objects for the engine's life
         st["receiver"] = WeightReceiver(_as_layouts(layouts), self.device, st["received"].load,
                                         st["received"].checksums, LoadReplay(lambda: params, bool(replay)))
+        if abort_flag:   # mapped once: the actor unlinks the file after the first setup
+            if st.get("abort_path") != abort_flag:
+                st["abort"], st["abort_path"] = AbortFlag.attach(abort_flag), abort_flag
+            st["receiver"].abort_flag = st["abort"]
         if group is not None:
             rank = int(rank_offset) + get_tensor_model_parallel_rank()
             st["receiver"].join_group(group["backend"], group["host"], int(group["port"]), rank,
@@ -124,8 +129,8 @@ class WeightSyncWorkerExtension:
             raise RuntimeError("weight receiver not set up: call rlhf_setup_receiver first")
         return rec
 
-    def rlhf_receive_broadcast(self, verify: bool) -> tuple[list[int], dict[str, float]]:
-        return self._rlhf_receiver().receive_broadcast(bool(verify))
+    def rlhf_receive_broadcast(self, verify: bool, sync_id: int = 0) -> tuple[list[int], dict[str, float]]:
+        return self._rlhf_receiver().receive_broadcast(bool(verify), int(sync_id))
 
     def rlhf_connect_stream(self, handles: Any, timeout_s: float) -> bytes:
         """Open the colocated trainer rank's two ring buffers once; returns our mailbox's handle (receiver.py)."""

@@ -13,18 +13,31 @@ finds the NCCL id where it looks, so vLLM workers, hf engines and SGLang schedul
 `warmup()` runs one small broadcast (8 uint8 ones: the dtype SGLang's flat receive buffer has) right
 after creation on every rank: the first collective on a fresh communicator pays connection setup
 (~1.5 s for NCCL), which must not land inside a timed sync.
+A sync that another member aborts (abort.py) must not sit in a collective until the group's timeout: `wait` and
+`synchronize` take a check that raises, and poll (gloo: the work's completion; CUDA: an event) instead of blocking;
+`abandon` then leaves the group without blocking. Measured on torch 2.13: a gloo `abort()` does nothing and dropping
+a gloo group whose receive is pending blocks until the peer goes (its destructor joins the worker threads first), so
+such a group is dropped on a daemon thread; when the *sender* drops its group, its sockets close and every receiver's
+pending receive fails at once ("Connection closed by peer"), provided no child process inherited the sockets: torch's
+shared-memory manager, started at a process's first CPU shared allocation, would keep them open (found by
+tests/unit/test_sync_abort.py), so a gloo group starts it first. NCCL's `abort()` ends the communicator's pending
+kernels.
 This module does not decide what to send (sender.py / receiver.py do).
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from rlhf_orch.distributed import free_port, tcp_store
+from rlhf_orch.weight_sync.ipc import start_shm_manager
 
 GROUP_NAME = "rlhf_orch_sync"   # the name engines that build their own end (SGLang) must be given
 __all__ = ["BroadcastGroup", "GROUP_NAME", "free_port"]   # free_port re-exported: callers pick a port and build the group together
@@ -49,6 +62,7 @@ class BroadcastGroup:
         chain = dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store))
         self._store = dist.PrefixStore("cuda/" if backend == "nccl" else "cpu/", chain)
         if backend == "gloo":
+            start_shm_manager()   # before our sockets exist, or it would hold them open (ipc.py)
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout
             iface = os.environ.get("GLOO_SOCKET_IFNAME")
@@ -71,6 +85,52 @@ class BroadcastGroup:
             return work
         work.wait()
         return None
+
+    def wait(self, work, check: Callable[[], None] | None = None) -> None:
+        """Wait for an async collective. With `check` (raises to end the wait), gloo work is polled, so an aborted sync
+        ends within a millisecond even where the peer never sends; NCCL's `wait()` only orders the stream (the host
+        waits in `synchronize`)."""
+        if check is not None and self.backend == "gloo":
+            spins = 0
+            while not work.is_completed():
+                check()
+                spins += 1
+                time.sleep(0 if spins < 100 else 2e-4)
+        work.wait()   # raises the work's own error (a peer that went away)
+
+    def synchronize(self, check: Callable[[], None] | None = None) -> None:
+        """Wait until this process's queued device work (the collectives and loads) is done; polled with `check`."""
+        if self.device.type != "cuda":
+            return
+        if check is None:
+            torch.cuda.synchronize(self.device)
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        while not done.query():
+            check()
+            time.sleep(1e-4)
+
+    def abandon(self, busy: bool = True) -> None:
+        """Leave the group now, without waiting for pending collectives (a failed or aborted sync): NCCL aborts the
+        communicator; gloo drops the group (which closes its sockets, so the other members' pending operations fail
+        instead of waiting for their timeout), on a daemon thread if `busy` (an operation of ours may still be
+        pending: dropping the group waits for it, module doc). The group cannot be used again; the coordinator makes
+        a new one (`reconfigure`)."""
+        pg, self.pg = self.pg, None
+        if pg is None:
+            return
+        if self.backend == "nccl":
+            try:
+                pg.abort()
+            except Exception:  # already torn down by a failed peer
+                logger.debug("nccl abort failed", exc_info=True)
+            return
+        if not busy:
+            return   # dropped here, now
+        held = [pg]
+        del pg
+        threading.Thread(target=held.clear, name="rlhf_orch-abandon-group", daemon=True).start()
 
     def warmup(self) -> float:
         """One small collective on every rank; returns the value seen (rank 0 sends ones)."""

@@ -44,6 +44,20 @@ def allocate_shared(nbytes: int, device: torch.device) -> tuple[str, torch.Tenso
     return uuid.uuid4().hex, buf
 
 
+_SHM_MANAGER_STARTED = False
+
+
+def start_shm_manager() -> None:
+    """Start torch's shared-memory manager (a child process, started at the first CPU shared allocation) now, if it
+    has not started yet. Call before opening sockets that must close when this process leaves them: the child
+    inherits every descriptor open when it starts, so a gloo group made earlier would stay open in it after we
+    abandon the group, and the group's other members would wait for their timeout (collective.py)."""
+    global _SHM_MANAGER_STARTED
+    if not _SHM_MANAGER_STARTED:
+        allocate_shared(1, torch.device("cpu"))
+        _SHM_MANAGER_STARTED = True
+
+
 def export_handle(buffer_id: str, buf: torch.Tensor) -> IpcHandle:
     if buf.device.type == "cpu":
         tmp.set_sharing_strategy("file_system")

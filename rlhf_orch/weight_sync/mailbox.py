@@ -69,6 +69,7 @@ class Mailbox:
 
     def __init__(self, path: str, words: np.ndarray, owner: bool):
         self.path, self.w, self.owner = path, words, owner
+        self.check = None   # set per sync by its side: raises to end every wait at once (an aborted sync, abort.py)
 
     @classmethod
     def create(cls, n_tensors: int) -> "Mailbox":
@@ -175,6 +176,8 @@ class Mailbox:
         while not ready():
             if peer == _PID and int(self.w[_FAILED]):
                 raise WeightSyncError(f"{what}: the engine gave up on this sync (see its log)")
+            if spins % 256 == 255 and self.check is not None:
+                self.check()
             if spins % 256 == 255 and int(self.w[peer]) and not _alive(int(self.w[peer])):
                 side = "engine" if peer == _PID else "trainer rank"
                 raise WeightSyncError(f"{what}: the {side}'s process {int(self.w[peer])} is gone")

@@ -15,6 +15,11 @@ stream's buckets over through shared CUDA events (mailbox.py, "GPU hand-over"): 
 sender's event of its buffer, is queued without a host sync, and its checksums stay on the device; every tensor is
 compared once, at the sync's end.
 
+A sync that another member aborts (abort.py: the flag's owner writes the sync's number) ends at this side's next
+wait, with `SyncAborted`; a broadcast receiver then leaves its group without blocking (collective.py, `abandon`).
+The engine stays paused after any failed sync (the actor's `sync_weights`), so a half-loaded version is never served:
+the next verified sync, with the replacement of the member that died, ends the pause.
+
 The checksums returned are of what the engine holds after loading (its own parameters), not of the
 received bytes: a load that silently skips or mangles a tensor shows up as a mismatch. With a `LoadReplay`
 (replay.py), a bucket whose loader is plain copies is loaded by one fused copy-and-checksum pass after its first
@@ -23,10 +28,12 @@ sync, and its checksums are of the engine's parameters even where the engine fus
 from __future__ import annotations
 
 import time
+import traceback
 from typing import Callable, Sequence
 
 import torch
 
+from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.buckets import BucketLayout, checksums, max_bucket_bytes, unpack
 from rlhf_orch.weight_sync.collective import BroadcastGroup
 from rlhf_orch.errors import WeightSyncError
@@ -85,6 +92,10 @@ class WeightReceiver:
         self._events: list[torch.cuda.Event] | None = None        # ours, one per slot: "loaded from slot"
         self._peer_events: list[torch.cuda.Event] | None = None   # the sender's: "packed into slot"
         self.timeout_s = 300.0
+        self.abort_flag: AbortFlag | None = None   # the owner (the engine's actor) aborts a sync through it
+
+    def _check(self, sync_id: int):
+        return self.abort_flag.checker(sync_id, "engine") if self.abort_flag is not None and sync_id else None
 
     def join_group(self, backend: str, host: str, port: int, rank: int, world_size: int,
                    timeout_s: float, local_host: str | None = None, expect_sums: bool = False) -> float:
@@ -122,33 +133,44 @@ class WeightReceiver:
         self.last_sums.update(zip(layout.names, sums))
         return sums
 
-    def receive_broadcast(self, verify: bool = True) -> tuple[list[int], dict[str, float]]:
+    def receive_broadcast(self, verify: bool = True, sync_id: int = 0) -> tuple[list[int], dict[str, float]]:
+        """Take every bucket of sync `sync_id` from rank 0's broadcasts (0: a sync no abort can end)."""
         if self.group is None:
-            raise RuntimeError("receive_broadcast before join_group")
+            raise RuntimeError("receive_broadcast before join_group (or after an aborted sync left the group)")
         t0 = time.perf_counter()
         load_s = 0.0
         sums: list[int] = []
+        group, check = self.group, self._check(sync_id)
+        want = None
+        work = nxt = None
 
         def post(k: int):
             lay = self.layouts[k]
-            return self.group.broadcast(self._bufs[k % 2][:lay.nbytes], src=0, async_op=True)
+            return group.broadcast(self._bufs[k % 2][:lay.nbytes], src=0, async_op=True)
 
-        work = post(0) if self.layouts else None
-        for k, layout in enumerate(self.layouts):
-            work.wait()
-            nxt = post(k + 1) if k + 1 < len(self.layouts) else None
-            t1 = time.perf_counter()
-            sums.extend(self._load(layout, self._bufs[k % 2], verify))
-            load_s += time.perf_counter() - t1
-            work = nxt
-        if self.expect_sums:
-            # Rank 0 sends its checksums after the last bucket (always, so every rank's collectives match).
-            want = torch.zeros(self._firsts[-1], dtype=torch.int64, device=self.device)
-            self.group.broadcast(want, src=0)
-            if verify:
-                self._compare(sums, want.tolist(), 0, "broadcast")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        try:
+            work = post(0) if self.layouts else None
+            for k, layout in enumerate(self.layouts):
+                group.wait(work, check)
+                nxt = post(k + 1) if k + 1 < len(self.layouts) else None
+                t1 = time.perf_counter()
+                sums.extend(self._load(layout, self._bufs[k % 2], verify))
+                load_s += time.perf_counter() - t1
+                work, nxt = nxt, None
+            if self.expect_sums:
+                # Rank 0 sends its checksums after the last bucket (always, so every rank's collectives match).
+                want = torch.zeros(self._firsts[-1], dtype=torch.int64, device=self.device)
+                group.wait(group.broadcast(want, src=0, async_op=True), check)
+            group.synchronize(check)
+        except BaseException as e:
+            busy = any(w is not None and not w.is_completed() for w in (work, nxt))
+            work = nxt = None   # pending works hold the group's sockets open
+            traceback.clear_frames(e.__traceback__)
+            self.group = None
+            group.abandon(busy)   # its collectives are out of step with the sender's now
+            raise
+        if want is not None and verify:
+            self._compare(sums, want.tolist(), 0, "broadcast")
         return sums, {"load_s": load_s, "total_s": time.perf_counter() - t0}
 
     def _compare(self, got: list[int], want: list[int], first: int, how: str) -> None:
@@ -191,6 +213,7 @@ class WeightReceiver:
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         box.reset_failure()
+        box.check = self._check(sync_id)
         sums: list[int] = []
         load_s = wait_s = 0.0
         on_device, dev = False, None

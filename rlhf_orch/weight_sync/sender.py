@@ -27,12 +27,16 @@ done and the engine's when its load from that buffer is, so this host never wait
 per-bucket host hand-over (`gpu_handover`, which the benchmark flips per round to compare the two). A source whose
 memory is freed after its bucket (ZeRO-3's gathers) must be kept until the pack is done: the trainer's iterator
 synchronises before it frees a gathered group.
+A sync that another member aborts (abort.py) ends at this side's next wait with `SyncAborted`. Whatever ends a sync
+early on rank 0, it leaves its broadcast group at once (collective.py, `abandon`): its sockets close and every
+broadcast receiver's pending receive fails now, not at the group's timeout.
 This module never imports Ray.
 """
 from __future__ import annotations
 
 import os
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -40,6 +44,7 @@ import torch
 
 from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.types import dtype_from_name
+from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.buckets import BucketLayout, _word_sum, checksums, max_bucket_bytes, slot_view
 from rlhf_orch.weight_sync.collective import BroadcastGroup
 from rlhf_orch.weight_sync.copysum import CopyPlan, PlanCache, Run, as_bytes
@@ -63,8 +68,9 @@ class SendResult:
 class WeightSender:
     def __init__(self, layouts: Sequence[BucketLayout], device: torch.device, ipc_engines: Sequence[str] = (),
                  group: BroadcastGroup | None = None, verify: bool = True, bcast_sums: bool = False,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, abort_flag: AbortFlag | None = None):
         self.layouts = list(layouts)
+        self.abort_flag = abort_flag   # the trainer actor aborts a sync through it (abort.py)
         self.device = device
         self.ipc_engines = list(ipc_engines)
         self.group = group
@@ -83,6 +89,7 @@ class WeightSender:
         self._peer_events: dict[str, list[torch.cuda.Event]] = {}   # each stream engine's: "slot loaded"
         self._bufs: list[tuple[str, torch.Tensor]] = []
         self._handles = []
+        self._pending: list[list] = []
         if self.active:
             n = max_bucket_bytes(self.layouts)
             self._bufs = [allocate_shared(n, device) for _ in range(SLOTS)]
@@ -137,13 +144,30 @@ class WeightSender:
                 sums[i] = s
         return sums or []
 
-    def _sync_device(self):
-        if self.device.type == "cuda":
+    def _sync_device(self, check=None):
+        if self.group is not None:
+            self.group.synchronize(check)
+        elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def send(self, named: Iterator[tuple[str, torch.Tensor]], version: int,
              deliver: Deliver | None = None, wait: Wait | None = None, sync_id: int = 0) -> SendResult:
-        """`sync_id` numbers this sync for stream engines (the coordinator's count, the same on both sides)."""
+        """`sync_id` numbers this sync for stream engines (the coordinator's count, the same on both sides) and for
+        aborts (0: a sync no abort can end)."""
+        try:
+            return self._send(named, version, deliver, wait, sync_id)
+        except BaseException as e:
+            busy = any(kind == "bcast" and not tok.is_completed() for p in self._pending for kind, _, tok in p)
+            for p in self._pending:
+                p.clear()
+            traceback.clear_frames(e.__traceback__)   # the failed frames' locals hold works too
+            if self.group is not None:   # rank 0: free every broadcast receiver now (module doc)
+                group, self.group = self.group, None
+                group.abandon(busy)
+            raise
+
+    def _send(self, named, version: int, deliver: Deliver | None, wait: Wait | None, sync_id: int) -> SendResult:
+        check = self.abort_flag.checker(sync_id, "trainer rank") if self.abort_flag is not None and sync_id else None
         called = [e for e in self.ipc_engines if e not in self.mailboxes]
         res = SendResult(engine_checksums={e: [] for e in called})
         t_start = time.perf_counter()
@@ -154,7 +178,9 @@ class WeightSender:
         if called and (deliver is None or wait is None):
             raise ValueError("ipc engines without a mailbox need deliver and wait callables")
         deadline = time.monotonic() + self.timeout_s
-        pending: list[list] = [[] for _ in range(SLOTS)]   # per buffer: broadcast work, ipc tokens, stream acks
+        # Per buffer: broadcast work, ipc tokens, stream acks. Held by the sender so that a failed sync drops them
+        # (`send`): a gloo work keeps the group's sockets open, and the receivers waiting.
+        pending = self._pending = [[] for _ in range(SLOTS)]
         on_device = (self.gpu_handover and bool(self.mailboxes) and not called
                      and all(e in self._peer_events for e in self.mailboxes))
         stream = torch.cuda.current_stream(self.device) if on_device else None
@@ -164,12 +190,13 @@ class WeightSender:
             dev_sums = torch.zeros(sum(len(lay.slots) for lay in self.layouts), dtype=torch.int64, device=self.device)
         for box in self.mailboxes.values():
             box.begin(DEVICE if on_device else HOST)
+            box.check = check
 
         def drain(slot: int):
             t0 = time.perf_counter()
             for kind, engine, token in pending[slot]:
                 if kind == "bcast":
-                    token.wait()
+                    self.group.wait(token, check)
                 elif kind == "stream":
                     self.mailboxes[engine].wait_done(slot, token, deadline, f"{engine} loading bucket {token % (1 << 20) - 1}")
                 else:
@@ -228,8 +255,7 @@ class WeightSender:
             res.pack_s += time.perf_counter() - t0
             res.bytes += layout.nbytes
             if self.group is not None:
-                work = self.group.broadcast(buf[:layout.nbytes], src=0, async_op=True)
-                pending[slot].append(("bcast", None, work))
+                pending[slot].append(("bcast", None, self.group.broadcast(buf[:layout.nbytes], src=0, async_op=True)))
             for engine in self.ipc_engines:
                 box = self.mailboxes.get(engine)
                 if box is not None:
@@ -253,7 +279,8 @@ class WeightSender:
                 box.publish_final(seq_of(sync_id, len(self.layouts)), res.checksums)
         if self.bcast_sums:
             # Broadcast engines compare each tensor with these before they resume (receiver.py).
-            self.group.broadcast(torch.tensor(res.checksums, dtype=torch.int64, device=self.device), src=0)
-        self._sync_device()
+            sums_t = torch.tensor(res.checksums, dtype=torch.int64, device=self.device)
+            self.group.wait(self.group.broadcast(sums_t, src=0, async_op=True), check)
+        self._sync_device(check)
         res.total_s = time.perf_counter() - t_start
         return res
