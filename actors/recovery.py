@@ -93,6 +93,7 @@ class EngineRecovery:
             new_name = f"{slot['base']}.r{self.engine_restarts}"
             self.slots[new_name] = slot
             self.sampling[new_name] = self.sampling[name]
+            entry["replacement_t"] = time.time()   # when the replacement was asked for
             self.engines[new_name] = self._make_engine(new_name, self.engine_restarts)
             self.unadmitted.append(new_name)
             if slot["ecfg"].sleep_level:

@@ -22,7 +22,7 @@ from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
 
 
-@ray.remote(concurrency_groups={"abort": 1})
+@ray.remote(concurrency_groups={"control": 1})   # health and abort_sync answer while a call runs
 class TrainerActor:
     def __init__(self, rank: int, world_size: int, device: str, device_id: str):
         setup_process(device)
@@ -55,8 +55,10 @@ class TrainerActor:
                                           device=self.trainer.device, **c)
         return self.device_id()
 
+    @ray.method(concurrency_group="control")
     def health(self) -> dict:
-        """A cheap liveness probe (the driver's, before a checkpoint): this rank's process id."""
+        """A cheap liveness probe (the driver's, before a checkpoint): this rank's process id. Answered on its own
+        thread, so a busy rank (training, sending weights) still answers at once."""
         import os
         return {"pid": os.getpid(), "rank": self.rank}
 
@@ -183,7 +185,7 @@ class TrainerActor:
                                    abort_flag=self.abort_flag)
         return self.sender.buffer_handles()
 
-    @ray.method(concurrency_group="abort")
+    @ray.method(concurrency_group="control")
     def abort_sync(self, sync_id: int) -> float:
         """Answered on its own thread while `send_weights` runs: its waits raise SyncAborted at once, and rank 0
         leaves the broadcast group, which frees every broadcast receiver (weight_sync/sender.py)."""

@@ -5,8 +5,9 @@
   (its first sync verified) and takes work. The run finishes all 40 steps, every prompt trained exactly once.
 - SIGSTOP it instead (a frozen process: it answers nothing): the health check declares it hung within
   fault_tolerance.engine_stall_s, kills it and replaces it.
-- SIGKILL it in the middle of a weight sync (a test hook makes each bucket's load slow): the sync's error names the
-  dead engine and the phase, the driver replaces it and syncs again, and the run finishes.
+- SIGKILL each kind of sync member in the middle of a weight sync (a test hook makes each bucket's load slow): the
+  colocated engine, the dedicated engine, trainer rank 0. The others abandon the sync at once (issue #33), the
+  driver replaces the engine and syncs again, or restarts the run for the trainer, and the run finishes.
 """
 import json
 import os
@@ -157,37 +158,66 @@ def test_engine_without_progress_is_declared_hung_and_restarts_are_bounded(tmp_p
     assert records[-1]["fault/engines_live"] == 1 and records[-1]["fault/engine_restarts"] == 1
 
 
-def test_an_engine_killed_during_a_weight_sync_is_named_replaced_and_the_sync_done_again(tmp_path):
-    """Issue #17: an engine killed mid-sync once surfaced as a bare gloo 'Connection reset by peer' naming neither the
-    engine nor its death. The dedicated engine (fed by broadcast) sleeps 1.5 s before loading each bucket
-    (engines.1.sync_delay_s), so the kill lands while it is paused for a sync."""
-    run = tmp_path / "midsync"
-    info = {}
-
-    def kill_in_sync():
-        metrics, deadline, pid = run / "metrics.jsonl", time.time() + 300, None
+def _kill_in_syncs(run: Path, plan: list[tuple[str, str, int]], info: list) -> threading.Thread:
+    """Kill each victim (actor-name suffix) in turn, once `step` steps are done and the sync it must land in is under
+    way: `watch` (an engine's actor-name suffix) reports `paused`, which only a sync makes it (no engine sleeps here)."""
+    def go():
+        metrics, deadline = run / "metrics.jsonl", time.time() + 600
         try:
-            while time.time() < deadline:
-                if pid is None and ray.is_initialized():
-                    pid = _pid_of("-engine-dedicated")
-                if pid and metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                    actor = ray.get_actor([n for n in ray.util.list_named_actors() if n.endswith("-engine-dedicated")][0])
-                    if ray.get(actor.health.remote(), timeout=10)["paused"]:   # paused: inside a sync
-                        info.update(pid=pid, t=time.time())
-                        os.kill(pid, signal.SIGKILL)
-                        return
-                time.sleep(0.05)
+            for victim, watch, step in plan:
+                while time.time() < deadline:
+                    lines = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+                    if lines >= step and ray.is_initialized():
+                        names = [n for n in ray.util.list_named_actors() if n.endswith(watch)]
+                        if names and ray.get(ray.get_actor(names[0]).health.remote(), timeout=10)["paused"]:
+                            pid = _pid_of(victim)
+                            info.append({"victim": victim, "pid": pid, "t": time.time(), "after_step": lines})
+                            os.kill(pid, signal.SIGKILL)
+                            break
+                    time.sleep(0.02)
         except Exception as e:
-            info["error"] = repr(e)
+            info.append({"error": repr(e)})
 
-    killer = threading.Thread(target=kill_in_sync, daemon=True)
-    killer.start()
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_member_killed_during_a_weight_sync_is_abandoned_by_the_others_at_once(tmp_path):
+    """Issue #33 (and #17 before it). Each kind of sync member is SIGKILLed while a sync is in flight, in one run:
+    the colocated engine (ipc), then the dedicated one (broadcast), then trainer rank 0 (the sender). Every engine
+    sleeps 1 s before loading a bucket (`sync_delay_s`), so each sync lasts long enough to be hit. The survivors
+    must abandon the sync at once (the coordinator aborts it; before #33 the dedicated engine waited for the sync
+    timeout, 60 s, for the checksums the dead side never sent), before the replacement is even started; the
+    replacement's first sync is verified; the trainer's death restarts the run from its step-8 checkpoint; the run
+    ends with every step once."""
+    run = tmp_path / "midsync"
+    info: list = []
+    killer = _kill_in_syncs(run, [("-engine-colocated", "-engine-dedicated", 3),
+                                  ("-engine-dedicated", "-engine-colocated.r1", 6),
+                                  ("-trainer-0", "-engine-colocated.r1", 10)], info)
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
-                      "experiment.name=midsync", "experiment.steps=8", *COMMON, "engines.1.sync_delay_s=1.5"])
+                      "experiment.name=midsync", "experiment.steps=12", "trainer.checkpoint_every=4", *COMMON,
+                      "engines.0.sync_delay_s=1.0", "engines.1.sync_delay_s=1.0"])
     killer.join(timeout=5)
-    assert rc == 0 and "pid" in info, info
-    records, summary = _check_run(run, 8)
-    [fault] = summary["faults"]
-    assert fault["engine"] == "dedicated" and fault["replacement"] == "dedicated.r1"
-    assert fault["first_sync_verified"] is True and "sync" in fault["cause"], fault
-    assert summary["verified_syncs"] == summary["syncs"] and summary["status"] == "finished"
+    assert rc == 0 and len(info) == 3 and all("pid" in k for k in info), info
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13)) and all(r["sync/checksum_ok"] == 1.0 for r in records)
+    trained = [tuple(s) for l in (run / "rollouts.jsonl").read_text().splitlines() for s in json.loads(l)["sources"]]
+    assert len(trained) == 12 * 16 and len(set(trained)) == len(trained)      # each prompt exactly once
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["ledger"]["balanced"] == 1
+    timeout_s = 60.0   # the sync deadline these runs have (weight_sync.timeout_s default: 60 s + 10 s per GB)
+    engines, trainer = summary["faults"][:2], summary["faults"][2]
+    for f, (name, new) in zip(engines, [("colocated", "colocated.r1"), ("dedicated", "dedicated.r2")]):
+        assert (f["engine"], f["replacement"], f["phase"]) == (name, new, "mid-sync"), f
+        # every survivor let go within seconds of the failure, aborted (not timed out), before the replacement started
+        assert f["survivors_let_go_s"] < 5 < timeout_s and f["survivors"], f
+        assert not any("timed out" in s["how"] or "deadline" in s["how"] for s in f["survivors"].values()), f
+        assert f["t_failure_seen"] + f["survivors_let_go_s"] <= f["replacement_t"], f
+        assert f["first_sync_verified"] is True and f["to_serving_s"] < timeout_s, f
+    assert any(s["how"].startswith("SyncAborted") for f in engines for s in f["survivors"].values())
+    assert trainer["victim"] == "trainer rank 0" and trainer["phase"] == "mid-sync", trainer
+    assert trainer["recovery"] == "run restart" and trainer["survivors_let_go_s"] < 5, trainer
+    [restart] = summary["run_restarts"]
+    assert "died" in restart["error"] and summary["resumed_from"] == 8
