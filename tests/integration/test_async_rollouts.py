@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
+from baselines import baseline  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false"]
@@ -34,7 +35,7 @@ def _trained(run):
 
 
 def test_staleness_zero_reproduces_the_synchronous_loop(tmp_path):
-    base = json.loads((ROOT / "tests/data/tiny_cpu_20steps_baseline.json").read_text())
+    base = baseline("tiny_cpu_20steps")
     run, records = _run(tmp_path, "sync20", "experiment.steps=20", "metrics.plots=false")
     assert [r["step"] for r in records] == list(range(1, 21))
     for want, got in zip(base["steps"], records):

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
+from baselines import baseline  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 
@@ -46,7 +47,7 @@ def test_offload_auto_on_cpu_moves_nothing_and_matches_offload_false(tmp_path):
     """`trainer.offload: auto` with a sleeping colocated engine configured: on CPU there is no GPU memory to share,
     so nothing moves (the plan says so once in step 1's metrics), and the run is the offload: false run, whose per-step
     numbers are the recorded synchronous-loop baseline."""
-    base = json.loads((ROOT / "tests/data/tiny_cpu_20steps_baseline.json").read_text())["steps"]
+    base = baseline("tiny_cpu_20steps")["steps"]
     assert launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                         "experiment.name=auto", "experiment.steps=3", "trainer.offload=auto", "engines.0.sleep_level=2",
                         "ray.num_cpus=2", "metrics.ray_metrics=false", "metrics.plots=false",

@@ -21,12 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 import launch  # noqa: E402
+from baselines import baseline  # noqa: E402
 from test_engine_faults import _fault_at  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
 COMMON = ["reward.function=tests.ppo_rewards:starts_with_odd_digit", "critic.warmup_steps=1", *QUIET]
-BASE = json.loads((ROOT / "tests/data/tiny_cpu_ppo_6steps_baseline.json").read_text())
+BASE = baseline("tiny_cpu_ppo_6steps")
 
 
 def _run(tmp_path, name, steps, *extra):

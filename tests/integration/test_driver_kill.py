@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from baselines import baseline
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -121,7 +122,7 @@ def test_sigkilled_driver_leaves_no_ray_processes(tmp_path):
     sys.path.insert(0, str(ROOT))
     import launch
     assert launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), *common, "resume=true"]) == 0
-    base = json.loads((ROOT / "tests/data/tiny_cpu_20steps_baseline.json").read_text())
+    base = baseline("tiny_cpu_20steps")
     records = [json.loads(l) for l in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 21))
     for want, got in zip(base["steps"], records):

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
+from baselines import baseline  # noqa: E402
 
 pytestmark = pytest.mark.integration
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
@@ -18,7 +19,7 @@ QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=fals
 
 def test_packed_token_budget_run_matches_the_padded_baseline(tmp_path):
     """One run (CI time): its first 3 steps against the padded synchronous loop's recorded baseline."""
-    base = json.loads((ROOT / "tests/data/tiny_cpu_20steps_baseline.json").read_text())["steps"]
+    base = baseline("tiny_cpu_20steps")["steps"]
     # 64 tokens: above the longest allowed sequence (32 prompt + 4 new), well below a rank's ~800 tokens.
     assert launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                         "experiment.name=packed", "experiment.steps=3", "trainer.max_tokens_per_micro_batch=64",

@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
+from baselines import baseline  # noqa: E402
 
 pytestmark = pytest.mark.integration
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
@@ -26,7 +27,7 @@ def _run(tmp_path, name, steps, *extra):
 
 
 def test_separate_reference_trains_as_the_colocated_one_and_resumes(tmp_path):
-    base = json.loads((ROOT / "tests/data/tiny_cpu_20steps_baseline.json").read_text())
+    base = baseline("tiny_cpu_20steps")
     _run(tmp_path, "apart", 2)
     records = _run(tmp_path, "apart", 4, "resume=true")          # steps 3-4 on the reloaded snapshot
     assert [r["step"] for r in records] == [1, 2, 3, 4]

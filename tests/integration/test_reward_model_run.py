@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
+from baselines import baseline  # noqa: E402
 
 pytestmark = pytest.mark.integration
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
@@ -67,7 +68,7 @@ def test_rewards_are_the_weighted_sum_of_rule_and_reward_model(tmp_path, monkeyp
 
     # Step 1's samples come from the same initial policy as the rule-only run of tiny_cpu.yaml (same seed): the reward
     # model changes nothing upstream of scoring, and the rule's part of step 1 is the rule-only run's reward.
-    base = json.loads((ROOT / "tests/data/tiny_cpu_20steps_baseline.json").read_text())["steps"]
+    base = baseline("tiny_cpu_20steps")["steps"]
     assert statistics.fmean(r["value"] for r in scored[:per_step]) == pytest.approx(base[0]["rollout/reward_mean"], abs=1e-7)
 
 

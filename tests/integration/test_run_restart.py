@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 import launch  # noqa: E402
+from baselines import baseline  # noqa: E402
 from test_engine_faults import _fault_at  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
@@ -25,7 +26,7 @@ QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=fals
                                            ("-reference-1", ["reference.placement=separate", "reference.num_workers=2"]),
                                            ("-weight-sync", []), ("-rollouts", [])])
 def test_killed_trainer_rank_or_reward_worker_restarts_the_run_from_its_checkpoint_exactly(tmp_path, victim, extra):
-    base = json.loads((ROOT / "tests/data/tiny_cpu_20steps_baseline.json").read_text())
+    base = baseline("tiny_cpu_20steps")
     info = {}
     killer = _fault_at(tmp_path / "restart", 12, signal.SIGKILL, victim, info)
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",

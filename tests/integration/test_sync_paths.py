@@ -11,13 +11,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
+from baselines import baseline  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 
 
 @pytest.mark.parametrize("stepwise", [0, 1])   # engines.0: colocated (ipc); engines.1: dedicated (broadcast)
 def test_one_call_and_stepwise_engines_in_one_sync(tmp_path, stepwise):
-    base = json.loads((ROOT / "tests/data/tiny_cpu_20steps_baseline.json").read_text())
+    base = baseline("tiny_cpu_20steps")
     name = f"mixed{stepwise}"
     assert launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                         f"experiment.name={name}", "experiment.steps=3", "ray.num_cpus=2", "metrics.trackers=[jsonl]",
