@@ -9,12 +9,14 @@ and offers blocking, thread-safe methods for a threaded Ray actor:
   was sampled (stamped on arrival; see below).
 - `pause(mode)` / `resume()` wrap `AsyncLLM.pause_generation` / `resume_generation`: "keep" freezes
   every request in the scheduler, "wait" lets running requests finish, "abort" ends them all with
-  finish_reason "abort" (their partial tokens are returned; the caller re-queues them).
+  finish_reason "abort" (their partial tokens are returned; the caller re-queues them). A pause returns once
+  the scheduler stopped; the outputs still on their way are drained by `resume()` (see `pause`).
 - `collective_rpc`, `reset_prefix_cache`, `sleep`, `wake_up`, `is_paused`, `shutdown` forward to AsyncLLM.
 
 Version stamping: a token is stamped on arrival with its call's "version in force", refreshed from
 `version_fn()` only in `resume()` (or in the `wake_up` of the last sleeping tag, which resumes scheduling,
-core.py:911-912), after `_drain()` has let every output produced before the pause reach our streams.
+core.py:911-912), after `_drain()` has let every output produced before the pause reach our streams (the pause
+itself does not wait for them).
 Exact as long as weights change only while paused. Kept requests continue on KV computed with the old
 weights unless `reset_prefix_cache(reset_running_requests=True)` makes them recompute it.
 
@@ -203,13 +205,19 @@ class AsyncVLLMRunner:
             rows.append((i, idx, st.tokens, lps, st.versions, st.finish_reason, "".join(st.text)))
         return rows
 
-    def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
-        """Returns once paused and earlier outputs reached the streams. clear_cache=True resets caches when
-        the pause completes; in "keep" mode that preempts every kept running request (scheduler.py:2336-2360),
-        which recomputes its KV on resume."""
+    def pause(self, mode: str = "keep", clear_cache: bool = False, drain: bool = False) -> None:
+        """Returns once the scheduler is paused ("keep"/"abort": after the engine step in progress, milliseconds).
+        Outputs the engine produced before the pause may still be on their way to our streams: the front end
+        (detokenizing, our stream tasks) lags the GPU by up to seconds at hundreds of running requests. They need
+        no waiting here: a token is stamped with its call's version in force, which only `resume()` changes, after
+        draining them (`_switch_versions`), so that drain overlaps the weight load instead of delaying the pause
+        (issue #27; bench/pause_latency.py measures both). `drain=True` also waits for them here (the old pause).
+        clear_cache=True resets caches when the pause completes; in "keep" mode that preempts every kept running
+        request (scheduler.py:2336-2360), which recomputes its KV on resume."""
         if mode not in PAUSE_MODES:
             raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        self._call(self._then_drain(self._llm.pause_generation(mode=mode, clear_cache=bool(clear_cache))))
+        paused = self._llm.pause_generation(mode=mode, clear_cache=bool(clear_cache))
+        self._call(self._then_drain(paused) if drain else paused)
 
     async def _then_drain(self, coro, asleep: bool = False) -> None:
         await coro
@@ -323,7 +331,7 @@ class StreamingVLLMEngine(VLLMEngine):
     def pause(self, mode: str = "wait") -> None:
         if mode not in PAUSE_MODES:
             raise EngineError(f"engine {self.name}: unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
-        self.llm.pause(mode)          # returns once vLLM is paused and earlier outputs reached the streams
+        self.llm.pause(mode)          # returns once vLLM's scheduler is paused (resume() drains its last outputs)
         self._paused = True
 
     def resume(self) -> None:
