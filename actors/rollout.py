@@ -33,7 +33,10 @@ class RolloutActor:
         self.verify = True
         self._gate = threading.Condition()
         self._syncing = False
-        self._active = 0   # generate calls inside the engine
+        self._active = 0   # generate calls past the sync gate (inside the engine, or queued for their turn: "wait" waits)
+        self._inside = 0   # generate calls inside the engine
+        self._next_ticket = 0    # rollout.deterministic: the dispatch number of the next call to serve
+        self._max_admitted = -1  # the highest ticket past the sync gate
         self._calls_done = 0   # finished generate calls: with the engine's decode steps, the health check's progress
         self._concurrent = bool(getattr(self.engine, "concurrent_generate", False))
         self.abort_flag = AbortFlag.create()   # the coordinator's abort_sync ends this engine's side of a sync at once
@@ -50,22 +53,51 @@ class RolloutActor:
         import os
         asleep = getattr(self.engine, "is_asleep", lambda: False)()
         return {"pid": os.getpid(), "progress": self._calls_done + int(getattr(self.engine, "progress_steps", 0)),
-                "paused": self._syncing or asleep,
+                "paused": self._syncing or asleep, "syncing": self._syncing,
                 "reports_steps": bool(getattr(self.engine, "reports_decode_steps", False))}
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams):
+    def generate(self, prompts: list[list[int]], params: SamplingParams, ticket: int | None = None,
+                 version: int | None = None):
+        """Samples and timing of one call. Calls arriving during a sync wait for its end. `ticket` (the manager's
+        dispatch number for this engine, rollout.deterministic) makes calls enter in dispatch order, and a ticketed
+        call counts for a "wait" pause from its arrival, queued or not: a sync then waits for every call dispatched
+        before it, so each runs with the weights it was dispatched under. `version`: those weights; a call that finds
+        others (it reached the engine after the sync began) fails rather than silently make the run irreproducible."""
         with self._gate:
-            while self._syncing or (self._active and not self._concurrent):
-                self._gate.wait()
-            self._active += 1
+            if ticket is None:
+                while self._syncing or (self._inside and not self._concurrent):
+                    self._gate.wait()
+            else:
+                # A call behind an admitted later ticket goes too (it was dispatched before it, so before the sync).
+                while self._syncing and ticket > self._max_admitted:
+                    self._gate.wait()
+                self._max_admitted = max(self._max_admitted, ticket)
+                self._active += 1   # from here a "wait" pause waits for this call
+                try:
+                    while ticket != self._next_ticket or (self._inside and not self._concurrent):
+                        self._gate.wait()
+                except BaseException:
+                    self._active -= 1
+                    raise
+            if ticket is None:
+                self._active += 1
+            self._inside += 1
         try:
+            if version is not None and self.engine.weight_version != version:
+                from rlhf_orch.errors import EngineError
+                raise EngineError(f"engine {self.name}: rollout.deterministic: a generate call dispatched for weight "
+                                  f"version {version} reached the engine at version {self.engine.weight_version} (it "
+                                  "arrived after a sync began), so this run would not be reproducible; please report it")
             start, t0 = time.time(), time.perf_counter()
             samples = self.engine.generate(prompts, params)
             secs = time.perf_counter() - t0
         finally:
             with self._gate:
                 self._active -= 1
+                self._inside -= 1
                 self._calls_done += 1
+                if ticket is not None:
+                    self._next_ticket = ticket + 1
                 self._gate.notify_all()
         tokens = sum(len(s.response_ids) for s in samples)
         return samples, {"tokens": tokens, "seconds": secs, "start": start, "end": start + secs}

@@ -25,21 +25,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def killer(run_dir: Path, suffix: str, step: int, out: dict) -> threading.Thread:
+def killer(run_dir: Path, suffix: str, step: int, out: dict, mid_sync: bool = False) -> threading.Thread:
+    """`mid_sync`: after `step` steps, kill at the first moment the engine reports itself inside a weight sync
+    (its health's `syncing`; polled as fast as the calls return, since a colocated sync lasts milliseconds)."""
     import ray
 
     def go():
-        metrics, pid = run_dir / "metrics.jsonl", None
+        metrics, pid, actor = run_dir / "metrics.jsonl", None, None
         while True:
             if pid is None and ray.is_initialized():
                 names = [n for n in ray.util.list_named_actors() if n.endswith(suffix)]
                 if names:
                     try:
-                        pid = ray.get(ray.get_actor(names[0]).health.remote(), timeout=60)["pid"]
+                        actor = ray.get_actor(names[0])
+                        pid = ray.get(actor.health.remote(), timeout=60)["pid"]
                     except Exception:
                         pid = None
             if pid and metrics.exists() and len(metrics.read_text().splitlines()) >= step:
-                break
+                if not mid_sync or ray.get(actor.health.remote(), timeout=60)["syncing"]:
+                    break
+                continue
             time.sleep(0.05)
         out.update(pid=pid, t=time.time(), after_step=len(metrics.read_text().splitlines()))
         os.kill(pid, signal.SIGKILL)
@@ -54,6 +59,7 @@ def main() -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--engine", default=None, help="engine name to kill (default: the config's first)")
     p.add_argument("--kill-step", type=int, default=6)
+    p.add_argument("--mid-sync", action="store_true", help="kill inside a weight sync after --kill-step steps")
     p.add_argument("--output-dir", default="/tmp/fault_runs")
     p.add_argument("--copy-to", default=None)
     p.add_argument("overrides", nargs="*")
@@ -65,13 +71,16 @@ def main() -> int:
     run = Path(args.output_dir) / cfg.experiment.name
     shutil.rmtree(run, ignore_errors=True)
     info: dict = {}
-    killer(run, f"-engine-{engine}", args.kill_step, info)
+    killer(run, f"-engine-{engine}", args.kill_step, info, args.mid_sync)
     rc = launch.main(["--config", args.config, f"experiment.output_dir={args.output_dir}", *args.overrides])
     summary = json.loads((run / "summary.json").read_text())
     recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     print(f"\nexit {rc}; status {summary.get('status')}; steps {len(recs)}; killed {engine} (pid {info.get('pid')}) "
           f"after step {info.get('after_step')}")
     for f in summary.get("faults", []):
+        if "survivors_let_go_s" in f:
+            print(f"mid-sync: {f.get('failed_first')} failed first; the other members let go within "
+                  f"{f['survivors_let_go_s']:.3f} s: {f.get('survivors')}; serving again {f.get('to_serving_s')} s after")
         print(f"fault: {f['engine']} during {f['phase']} ({f['cause'][:100]}); {f.get('groups_requeued')} groups re-queued; "
               f"replacement {f.get('replacement')}; synced {f.get('recovery_s')} s after the death was seen; first sync "
               f"v{f.get('first_sync_version')} verified: {f.get('first_sync_verified')}")

@@ -1,0 +1,189 @@
+"""How long a weight sync's pause takes with requests in flight (issue #27): vLLM streaming runner or the hf engine.
+
+    python bench/pause_latency.py --engine vllm --model llama-3.2-1b --running 0 64 256 512 --max-tokens 2048
+    python bench/pause_latency.py --engine hf --running 0 8 32 --max-tokens 64          # CPU dry run
+
+For each count of running requests (each one prompt, n=1, ignore_eos, long responses) and each pause mode:
+- keep: requests park between two decode steps and continue after `resume()`; measured `--rounds` times on the
+  same running set, one pause every ~0.5 s of decoding;
+- abort: running requests end at once with finish_reason "abort" (the caller re-queues them); a fresh set per
+  measurement.
+vLLM is measured both ways, interleaved round by round (which goes first alternates): "new", the pause that returns
+once the scheduler stopped (engines/vllm_async.py), and "old", which also drains every output already produced to
+our streams before returning (the pause before issue #27). Each vLLM pause is split into: loop lag (until our
+coroutine runs on the runner's event loop), the engine's pause (`pause_generation`), the drain, and the outputs
+still queued from the engine when the pause returned. `resume_s` includes the drain the new pause defers.
+Prints a markdown table (median and max) and writes it to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(32)] for _ in range(n)]
+
+
+class Vllm:
+    def __init__(self, args):
+        from transformers import LlamaConfig
+        from bench.shapes import SHAPES
+        from rlhf_orch.engines.vllm_async import AsyncVLLMRunner
+        from rlhf_orch.models import build_tokenizer
+        tok = build_tokenizer()
+        path = Path("/tmp/rlhf_orch_pause_bench") / args.model
+        LlamaConfig(**{**SHAPES[args.model], "vocab_size": len(tok)}, max_position_embeddings=4096, bos_token_id=1,
+                    eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16").save_pretrained(path)
+        tok.save_pretrained(path)
+        self.vocab = len(tok)
+        self.runner = AsyncVLLMRunner(str(path), load_format="dummy", dtype="bfloat16", seed=0,
+                                      gpu_memory_utilization=args.gpu_mem, max_model_len=args.max_tokens + 64,
+                                      max_num_seqs=max(max(args.running), 1))
+        self.runner.weight_version = 0
+
+    def start(self, n: int, args):
+        from vllm import SamplingParams
+        sp = SamplingParams(n=1, temperature=1.0, max_tokens=args.max_tokens, logprobs=0, ignore_eos=True,
+                            detokenize=True)
+        out: dict = {}
+        prompts = _prompts(n, self.vocab, args.seed + n)
+        t = threading.Thread(target=lambda: out.update(rows=self.runner.generate(prompts, sp)), daemon=True)
+        t.start()
+        return t, out
+
+    def pause(self, mode: str, variant: str) -> dict:
+        r = self.runner
+
+        async def timed():
+            ts = time.perf_counter()
+            await r._llm.pause_generation(mode=mode, clear_cache=False)
+            t1 = time.perf_counter()
+            if variant == "old":
+                await r._drain()
+            q = getattr(r._llm.engine_core, "outputs_queue", None)
+            return ts, t1, time.perf_counter(), (q.qsize() if q is not None else -1)
+
+        t0 = time.perf_counter()
+        ts, t1, t2, queued = r._call(timed())
+        m = {"pause_s": time.perf_counter() - t0, "loop_lag_s": ts - t0, "engine_s": t1 - ts, "drain_s": t2 - t1,
+             "queued": queued}
+        t3 = time.perf_counter()
+        r.resume()
+        m["resume_s"] = time.perf_counter() - t3
+        return m
+
+    def close(self):
+        self.runner.shutdown()
+
+
+class Hf:
+    def __init__(self, args):
+        from rlhf_orch.engines.hf import HFEngine
+        from rlhf_orch.models import TinyModelSpec, ensure_model_dir
+        path = ensure_model_dir("tiny-llama", TinyModelSpec(), Path("/tmp/rlhf_orch_pause_bench"), seed=0)
+        self.engine = HFEngine(name="hf", model_path=str(path), device="cpu", seed=0,
+                               max_batch_size=max(max(args.running), 1))
+        self.vocab = 40
+
+    def start(self, n: int, args):
+        from rlhf_orch.engines.base import SamplingParams
+        out: dict = {}
+        sp = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
+        t = threading.Thread(target=lambda: out.update(rows=self.engine.generate(_prompts(n, self.vocab, n), sp)),
+                             daemon=True)
+        t.start()
+        return t, out
+
+    def pause(self, mode: str, variant: str) -> dict:
+        t0 = time.perf_counter()
+        self.engine.pause(mode)
+        m = {"pause_s": time.perf_counter() - t0}
+        t1 = time.perf_counter()
+        self.engine.resume()
+        m["resume_s"] = time.perf_counter() - t1
+        return m
+
+    def close(self):
+        pass
+
+
+def measure(eng, args) -> list[dict]:
+    rows = []
+    variants = ["new", "old"] if args.engine == "vllm" else ["new"]
+    for n in args.running:
+        job = eng.start(n, args) if n else None
+        time.sleep(args.warm_s if n else 0.1)
+        for k in range(args.rounds):               # keep: the same running set, variants alternating first
+            for v in (variants if k % 2 == 0 else variants[::-1]):
+                rows.append({"running": n, "mode": "keep", "variant": v, **eng.pause("keep", v)})
+                time.sleep(args.gap_s)
+        if job is not None:
+            eng.pause("abort", "new")              # end the keep set
+            job[0].join(600)
+        for k in range(args.abort_rounds):         # abort: a fresh running set each time
+            for v in (variants if k % 2 == 0 else variants[::-1]):
+                job = eng.start(n, args) if n else None
+                time.sleep(args.warm_s if n else 0.1)
+                m = eng.pause("abort", v)
+                if job is not None:
+                    job[0].join(600)
+                    m["aborted"] = sum(r[5] == "abort" if isinstance(r, tuple) else r.finish_reason == "abort"
+                                       for r in job[1].get("rows", []))
+                rows.append({"running": n, "mode": "abort", "variant": v, **m})
+        print(f"running {n}: done", flush=True)
+    return rows
+
+
+def table(rows: list[dict], args) -> str:
+    keys = ["pause_s", "loop_lag_s", "engine_s", "drain_s", "resume_s"] if args.engine == "vllm" else ["pause_s", "resume_s"]
+    lines = ["| running | mode | pause | n | " + " | ".join(f"{k} median (max)" for k in keys) +
+             (" | queued at return (median) |" if args.engine == "vllm" else " |"),
+             "|" + "---|" * (len(keys) + 4 + (args.engine == "vllm"))]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["running"], r["mode"], r["variant"]), []).append(r)
+    for (n, mode, v), rs in sorted(groups.items()):
+        cells = [f"{1e3 * statistics.median(r[k] for r in rs):.1f} ({1e3 * max(r[k] for r in rs):.1f})" for k in keys]
+        extra = f" | {statistics.median(r['queued'] for r in rs):.0f}" if args.engine == "vllm" else ""
+        lines.append(f"| {n} | {mode} | {v} | {len(rs)} | " + " | ".join(cells) + extra + " |")
+    return "\n".join(lines) + "\n\n(milliseconds)"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--running", type=int, nargs="+", default=[0, 64, 256, 512])
+    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=10, help="keep pauses per running count and variant")
+    ap.add_argument("--abort-rounds", type=int, default=3)
+    ap.add_argument("--warm-s", type=float, default=3.0, help="decoding before the first pause of a running set")
+    ap.add_argument("--gap-s", type=float, default=0.5, help="decoding between two keep pauses")
+    ap.add_argument("--gpu-mem", type=float, default=0.85)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    eng = Vllm(args) if args.engine == "vllm" else Hf(args)
+    try:
+        rows = measure(eng, args)
+    finally:
+        eng.close()
+    text = table(rows, args)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(f"`python bench/pause_latency.py {' '.join(argv or sys.argv[1:])}`\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
