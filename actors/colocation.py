@@ -128,6 +128,26 @@ class Colocation:
             m.update(self.memory("train"))
         return m
 
+    def make_room(self) -> bool:
+        """Before a colocated replacement engine starts while the trainers hold the GPU (its engine died in the train
+        phase: in a sync, or in the hand-over to train). The engine sizes itself from the GPU's free memory, and with
+        the trainers' states and their step's cache there it refuses to start (seen on an H100, 2026-11-27: 18.5 of
+        79 GiB free, after a mid-sync kill). Offload the trainers (or give back their cache where nothing is
+        offloaded). Returns True where `take_back` must follow once the engine is up. Not exercised on CPU."""
+        if not self.cuda or self.phase != "train":
+            return False
+        if self.do_offload and not self.offloaded:
+            self._trainers("offload_states")
+            self.offloaded = True
+            return True
+        self._trainers("release_cache")
+        return False
+
+    def take_back(self) -> None:
+        """The trainers' states back on the GPU after `make_room` (the re-sync reads their weights)."""
+        self._trainers("reload_states")
+        self.offloaded = False
+
     def wake_weights(self) -> dict[str, float]:
         """Before a sync: sleeping engines need their weight memory back (the KV cache stays freed). Under a plan
         without sleep (auto), the KV cache comes back now too, so the next hand-over to generate has nothing to do."""

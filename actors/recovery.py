@@ -79,6 +79,9 @@ class EngineRecovery:
         if not dead:
             return []
         ft, new = self.cfg.fault_tolerance, []
+        # A colocated replacement needs the GPU memory the trainers hold in the train phase (colocation.make_room).
+        coloc = any(self.slots[n]["ecfg"].placement == "colocated" for n in dead if n in self.slots)
+        moved = self.colocation.make_room() if coloc and ft.max_engine_restarts > self.engine_restarts else False
         for name, rec in dead.items():
             self.engines.pop(name, None)
             self.colocation.sleep_levels.pop(name, None)
@@ -106,6 +109,8 @@ class EngineRecovery:
                               f"({self.faults[-1]['cause']})")
         get([self.engines[n].device_ids.remote() for n in new], self.timeout, f"replacement engines {new} to start",
             EngineError)
+        if moved:
+            self.colocation.take_back()
         info = get(self.coordinator.reconfigure.remote(self.engines), self.sync_timeout,
                    "weight-sync re-plan with the replacement engines", WeightSyncError)
         self.plan = info["plan"]

@@ -20,7 +20,7 @@ case "${1:-}" in
       > "$OUT/pause.log" 2>&1; echo "== pause exit $?"; grep -vE "^\s*$" "$OUT/pause.md" 2>/dev/null || tail -30 "$OUT/pause.log" ;;
   fault)
     timeout -k 20 "${FAULT_TIMEOUT:-500}" python3 bench/engine_fault.py --config configs/vllm_coloc_1gpu.yaml \
-      --kill-step 3 --mid-sync --copy-to "$OUT" experiment.steps=8 "${B1[@]}" engines.0.sampling.max_new_tokens=128 \
+      --kill-step 2 --mid-sync --copy-to "$OUT" experiment.steps=5 "${B1[@]}" engines.0.sampling.max_new_tokens=128 \
       engines.0.kv_cache_memory_gb=20 engines.0.gpu_memory_utilization=0.5 > "$OUT/fault.log" 2>&1
     echo "== fault exit $?"; grep -E "^exit|^mid-sync|^fault|^seconds|^median|^\|" "$OUT/fault.log" || tail -30 "$OUT/fault.log" ;;
   tests)
