@@ -91,6 +91,9 @@ def rl_step(cluster, cfg, step: int) -> tuple[dict, dict]:
         with timer.phase("sync"):
             sync_metrics = cluster.sync(step)
     m = {**meta["metrics"], **train, **sync_metrics, **coloc, **timer.metrics()}
+    # The trainer's idle time: waiting for the batch, then for the sync beyond its own packing (pauses, transfers).
+    m["perf/trainer_idle_s"] = m["perf/generate_s"] + max(0.0, m["perf/sync_s"] - m.get("sync/pack_s", 0.0))
+    m["perf/trainer_idle_frac"] = m["perf/trainer_idle_s"] / max(m["perf/step_s"], 1e-9)
     m["rollout/logprob_diff_mean"] = train["train/logprob_diff_sum"] / max(train["train/tokens"], 1.0)
     m["rollout/logprob_diff_max"] = train["train/logprob_diff_max"]
     alarm = cfg.weight_sync.mismatch_alarm

@@ -111,9 +111,12 @@ def _eval_panel(ax, pairs) -> None:
     ax.legend(loc="best")
 
 
+_NOT_PHASES = {"perf/step_s", "perf/trainer_idle_s"}   # seconds that are not a phase of the step (no stacked bar)
+
+
 def _plot_phase_times(plt, pairs, out_dir: Path) -> Path | None:
     keys = sorted({k for _, rec in pairs for k in rec
-                   if k.startswith("perf/") and k.endswith("_s") and k != "perf/step_s"})
+                   if k.startswith("perf/") and k.endswith("_s") and k not in _NOT_PHASES})
     step_xs, step_ys = _series(pairs, "perf/step_s")
     rows = [(step, rec) for step, rec in pairs if any(_finite(rec.get(k)) is not None for k in keys)]
     if not rows and not step_xs:
