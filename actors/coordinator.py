@@ -51,7 +51,10 @@ class WeightSyncCoordinator:
         self.layouts = []
         self.version = -1
         self.streaming: set[str] = set()   # engines that take a sync in one call (sync_weights)
-        self.sync_id = 0                   # numbers the syncs for the mailboxes (see weight_sync/mailbox.py)
+        # Numbers the syncs for the mailboxes (weight_sync/mailbox.py) and aborts (abort.py). Starts from the clock
+        # (ms) so that numbers keep growing across a replaced coordinator: an engine's abort flag holds the highest
+        # number ever aborted, and a new coordinator counting from 1 would find its first syncs aborted.
+        self.sync_id = int(time.time() * 1000)
         self.abort_grace_s = 30.0          # how long aborted survivors get to let go (they take milliseconds)
 
     def _get(self, refs, what):
