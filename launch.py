@@ -282,7 +282,8 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
             rc = 1
             break
         except RLHFOrchError as e:
-            # A dead trainer rank, reward worker, coordinator or manager: restart from the latest good checkpoint.
+            # A dead trainer rank, reward worker or manager: restart from the latest good checkpoint (a dead
+            # coordinator is replaced in place, actors/recovery.py).
             if is_actor_death(e) and len(restarts) < cfg.fault_tolerance.max_run_restarts and not _STOPPING:
                 restarts.append({"t": time.time(), "error": str(e).splitlines()[0][:500]})
                 faults.extend(summary.get("faults", []))

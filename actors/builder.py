@@ -14,7 +14,6 @@ import ray
 
 from actors.colocation import Colocation
 from actors.common import actor_env, get
-from actors.coordinator import WeightSyncCoordinator
 from actors.placement import allocate
 from actors.recovery import EngineRecovery
 from actors.roles import critic_kwargs, reference_kwargs, start_role_groups
@@ -75,6 +74,7 @@ class Cluster(EngineRecovery):
         self.cfg, self.run_dir, self.timeout = cfg, Path(run_dir), cfg.ray.get_timeout_s
         self.placement, self.sinks, self.started_ray = None, None, False
         self.trainers, self.coordinator, self.engines, self.rewarders = None, None, {}, []
+        self.coordinator_restarts = 0       # weight-sync coordinators replaced in place (actors/recovery.py)
         self.references = self.critics = None   # separate role groups (actors/roles.py), when configured
         self.rollouts, self.final_ledger = None, {}
         self.faults: list[dict] = []        # engine faults and what was done about them (summary.json)
@@ -154,15 +154,7 @@ class Cluster(EngineRecovery):
         self.references, self.critics = start_role_groups(cfg, name, env, self.timeout, model_path)
         self.colocation.wake_weights()      # receivers are built into awake weights; the KV cache stays freed
         get([r.score.remote([]) for r in self.rewarders], self.timeout, "reward workers to start", RewardError)
-        self.coordinator = WeightSyncCoordinator.options(name=f"{name}-weight-sync", runtime_env={"env_vars": env}).remote(
-            self.trainers.actors, self.engines, device, cfg.model.dtype, cfg.weight_sync.transport,
-            int(cfg.weight_sync.bucket_size_mb * 2**20), cfg.weight_sync.verify, cfg.weight_sync.timeout_s,
-            cfg.weight_sync.replay_loads)
-        # Parameter specs and group creation: the configured deadline, else the model's (known only after the specs).
-        info = get(self.coordinator.setup.remote(), cfg.weight_sync.timeout_s or self.timeout, "weight-sync setup",
-                   WeightSyncError)
-        self.sync_timeout = info["timeout_s"]
-        self.plan = info["plan"]
+        self._start_coordinator(f"{name}-weight-sync")
         a, r = cfg.algorithm, cfg.rollout
         settings = dict(prompts_per_step=cfg.data.prompts_per_step, group_size=a.group_size, max_staleness=r.max_staleness,
                         dispatch_groups=r.dispatch_groups, filter_groups=r.filter_groups, filter_max_draws=r.filter_max_draws,
@@ -316,7 +308,7 @@ class Cluster(EngineRecovery):
                 out = self._sync_once(version, resync)
             except WeightSyncError as err:
                 self._sync_aborted(err)
-                if not self._engines_died(err, f"weight sync v{version}"):
+                if not (self._coordinator_died(err, version) or self._engines_died(err, f"weight sync v{version}")):
                     raise
                 out = self._sync_once(version, True)   # once more, with the replacements
         recovered = self._synced_replacements(out)

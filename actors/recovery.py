@@ -6,8 +6,12 @@ the manager (its running groups go back to the queue), starts a replacement on t
 fault_tolerance.max_engine_restarts lasts), re-plans the weight sync with every live engine (a new broadcast
 group; CUDA IPC for a colocated one), and admits the replacement to the manager only after its first sync is
 verified by checksum. Fault records (what died, when, why, the replacement, seconds to serving) end up in
-summary.json. It does not restart trainers, reward workers or the coordinator: launch.py restarts the whole run
-from its latest checkpoint for those.
+summary.json.
+
+The weight-sync coordinator holds nothing that cannot be rebuilt (the plan, the bucket layouts, the sync count): when
+it dies, a replacement is started in place, makes the plan and the groups again with the live trainer ranks and
+engines, and re-runs the sync that failed (issue #34). It does not restart trainers or reward workers: launch.py
+restarts the whole run from its latest checkpoint for those.
 """
 from __future__ import annotations
 
@@ -17,8 +21,9 @@ import time
 import ray
 
 from actors.common import get
+from actors.coordinator import WeightSyncCoordinator
 from actors.rollout import sampling_params
-from rlhf_orch.errors import EngineError, WeightSyncError
+from rlhf_orch.errors import EngineError, WeightSyncError, is_actor_death
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,37 @@ class EngineRecovery:
         self.replace_dead_engines()
         for f in self.faults[n:]:
             f.update(mid_sync)
+        return True
+
+    def _start_coordinator(self, name: str) -> None:
+        """The weight-sync coordinator, its plan made and its groups created (and warmed up)."""
+        cfg, ws = self.cfg, self.cfg.weight_sync
+        self.coordinator = WeightSyncCoordinator.options(name=name, runtime_env={"env_vars": self.env}).remote(
+            self.trainers.actors, self.engines, cfg.trainer.device, cfg.model.dtype, ws.transport,
+            int(ws.bucket_size_mb * 2**20), ws.verify, ws.timeout_s, ws.replay_loads)
+        # Parameter specs and group creation: the configured deadline, else the model's (known only after the specs).
+        info = get(self.coordinator.setup.remote(), ws.timeout_s or self.timeout, "weight-sync setup", WeightSyncError)
+        self.sync_timeout, self.plan = info["timeout_s"], info["plan"]
+
+    def _coordinator_died(self, err: Exception, version: int) -> bool:
+        """After a failed sync: if the coordinator itself is dead, start a replacement in place (its plan and groups
+        made again with the live members) and record the fault; True if so (the caller re-runs the sync)."""
+        if not is_actor_death(err):
+            return False
+        try:
+            ray.get(self.coordinator.health.remote(), timeout=min(10.0, self.cfg.fault_tolerance.engine_stall_s))
+            return False
+        except Exception:
+            pass
+        t0 = time.time()
+        self.coordinator_restarts += 1
+        name = f"{self.cfg.experiment.name}-weight-sync.r{self.coordinator_restarts}"
+        logger.error("the weight-sync coordinator died (seen in weight sync v%d: %s); starting %s in place", version,
+                     str(err).splitlines()[0][:200], name)
+        self._start_coordinator(name)
+        self.faults.append({"engine": None, "victim": "weight-sync coordinator", "phase": "weight sync", "t": t0,
+                            "cause": str(err).splitlines()[0][:300], "replacement": name, "recovery": "in place",
+                            "replaced_s": round(time.time() - t0, 3), "sync_version": version, "steps_redone": 0})
         return True
 
     def _sync_aborted(self, err: Exception) -> None:
