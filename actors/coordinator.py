@@ -25,7 +25,6 @@ import logging
 import time
 
 import ray
-
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.common import get, setup_process

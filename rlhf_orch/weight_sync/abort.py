@@ -68,7 +68,3 @@ class AbortFlag:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-
-
-def never() -> None:
-    """The check of a wait that no abort can end (syncs numbered 0)."""

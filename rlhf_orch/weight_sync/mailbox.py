@@ -176,11 +176,12 @@ class Mailbox:
         while not ready():
             if peer == _PID and int(self.w[_FAILED]):
                 raise WeightSyncError(f"{what}: the engine gave up on this sync (see its log)")
-            if spins % 256 == 255 and self.check is not None:
-                self.check()
-            if spins % 256 == 255 and int(self.w[peer]) and not _alive(int(self.w[peer])):
-                side = "engine" if peer == _PID else "trainer rank"
-                raise WeightSyncError(f"{what}: the {side}'s process {int(self.w[peer])} is gone")
+            if spins % 256 == 255:
+                if self.check is not None:
+                    self.check()
+                if int(self.w[peer]) and not _alive(int(self.w[peer])):
+                    side = "engine" if peer == _PID else "trainer rank"
+                    raise WeightSyncError(f"{what}: the {side}'s process {int(self.w[peer])} is gone")
             if time.monotonic() > deadline:
                 raise WeightSyncError(f"{what}: no hand-over within the sync deadline (weight_sync.timeout_s)")
             spins += 1
