@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 class EngineRecovery:
-    """Needs from the Cluster: cfg, engines, slots, sampling, colocation, coordinator, rollouts, timeout, plan,
-    faults, unadmitted, ready, engine_restarts, _rget and _make_engine."""
+    """Needs from the Cluster: cfg, env, trainers, engines, slots, sampling, colocation, coordinator, rollouts, timeout,
+    sync_timeout, plan, timeline, faults, unadmitted, ready, engine_restarts, coordinator_restarts, _rget and
+    _make_engine."""
 
     def _engines_died(self, err: Exception, phase: str) -> bool:
         """After a failed hand-over or sync: find the dead engines (a short health check each), tell the manager (it
