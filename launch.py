@@ -1,6 +1,7 @@
 """rlhf_orch entry point: the whole RL loop, top to bottom.
 
-    python launch.py --config configs/tiny_cpu.yaml [section.key=value ...]
+    python launch.py --config configs/tiny_cpu.yaml [section.key=value | ~section.key ...]
+    rlhf-orch train --config configs/tiny_cpu.yaml [...]      (the same; `rlhf-orch check` stops before Ray)
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- python launch.py --config configs/tiny_cpu.yaml
 
 Story: validate everything -> allocate -> build actors -> (warm start) -> initial sync -> per step:
@@ -13,7 +14,6 @@ the timeline and a checkpoint are written in `finally`, so a failed run still le
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -29,16 +29,15 @@ logger = logging.getLogger("rlhf_orch.launch")
 
 def prepare(argv):
     """Everything that can fail on bad input, before Ray or any actor starts."""
+    # The arguments first, with nothing heavy imported: `--help` and a usage error answer at once.
+    from rlhf_orch.cli import parse_run_args   # shared with `rlhf-orch` (its --help lists the config sections)
+    args = parse_run_args(argv)
     from transformers import AutoTokenizer
     from rlhf_orch.config import load_config
     from rlhf_orch.data import PromptDataset
     from rlhf_orch.data.prepare import rows_for
     from rlhf_orch.models import BUILTIN_PREFIX, ensure_model_dir
 
-    p = argparse.ArgumentParser(description="RL post-training with Ray, DeepSpeed and vLLM/SGLang/HF engines.")
-    p.add_argument("--config", required=True, help="experiment YAML, e.g. configs/tiny_cpu.yaml")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. trainer.lr=1e-4 experiment.steps=10")
-    args = p.parse_args(argv)
     from rlhf_orch.run_dir import job_output_override
     # In a Ray job a relative output_dir would be Ray's temporary copy of the working dir: moved before loading
     # (loading creates the folder). Elsewhere nothing changes.
@@ -233,14 +232,21 @@ def _on_sigterm(signum, frame):
     raise RunStopped(f"stopped by signal {signal.Signals(signum).name}")
 
 
+def preflight(argv):
+    """Every check before Ray starts (main's, and `rlhf-orch check`'s): prepare(), then the evaluation prompts.
+    Returns (cfg, run_dir, model_path, tokenizer, dataset, eval_set); raises RLHFOrchError on bad input."""
+    cfg, run_dir, model_path, tokenizer, dataset = prepare(argv)
+    from rlhf_orch.evaluation import eval_set_for
+    eval_set = eval_set_for(cfg, tokenizer)   # the evaluation prompts, read and checked before Ray (None: off)
+    return cfg, run_dir, model_path, tokenizer, dataset, eval_set
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=os.environ.get("RLHF_ORCH_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from rlhf_orch.errors import RLHFOrchError
     try:
-        cfg, run_dir, model_path, tokenizer, dataset = prepare(argv)
-        from rlhf_orch.evaluation import eval_set_for
-        eval_set = eval_set_for(cfg, tokenizer)   # the evaluation prompts, read and checked before Ray (None: off)
+        cfg, run_dir, model_path, tokenizer, dataset, eval_set = preflight(argv)
     except RLHFOrchError as e:
         for line in str(e).splitlines():
             sys.stderr.write(f"error: {line}\n")

@@ -7,7 +7,8 @@ given, or chat messages rendered with the tokenizer's chat template, `add_genera
 messages, the answer is `reward_model.ground_truth`). A JSONL file of string prompts with the default
 keys gives back its rows exactly as parsed (the format this project started with).
 
-Every bad row is reported at once (the first 20 lines), each naming the row and the fix. This module does
+Every bad row is reported at once (the first 20 lines), each naming the row and the fix; a prompt that is
+empty or only whitespace (a string, or messages without text) is a bad row. This module does
 not read files (sources.py), tokenize for length or unknown characters (prepare.py) or know about Ray.
 """
 from __future__ import annotations
@@ -148,10 +149,17 @@ def build_rows(raw: RawRows, spec: DataSpec, tokenizer=None) -> list[dict]:
             if not value:
                 problems.append(f"{where}: {spec.prompt_key!r} must be a non-empty string or a list of chat messages")
                 continue
+            if not value.strip():   # a model would be trained on continuing nothing: refuse it like an empty one
+                problems.append(f"{where}: {spec.prompt_key!r} is only whitespace ({value!r}); give the row a prompt "
+                                "with text, or remove the row")
+                continue
             string_prompts += 1
             messages = [{"role": "user", "content": value}] if spec.chat_template else None
         elif isinstance(value, list):
             messages, why = messages_problem(value)
+            if not why and not any(m["content"].strip() for m in messages):
+                why = ("is chat messages whose content is all empty or whitespace; give a message text, or remove "
+                       "the row")
             if why:
                 problems.append(f"{where}: {spec.prompt_key!r} {why}")
                 continue
