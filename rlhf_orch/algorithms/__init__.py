@@ -13,6 +13,7 @@ from rlhf_orch.algorithms.advantages import (
     grpo_advantages,
     masked_whiten,
     reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
     reinforce_pp_baseline_token_advantages,
     reinforce_pp_returns,
     rloo_advantages,
@@ -20,6 +21,7 @@ from rlhf_orch.algorithms.advantages import (
     whiten_stats,
 )
 from rlhf_orch.algorithms.losses import (
+    DEFAULT_KL_ESTIMATOR,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     aggregate_loss,
@@ -38,6 +40,7 @@ from rlhf_orch.algorithms.losses import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "DEFAULT_KL_ESTIMATOR",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "aggregate_loss",
@@ -59,6 +62,7 @@ __all__ = [
     "masked_whiten",
     "policy_loss",
     "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
     "reinforce_pp_baseline_token_advantages",
     "reinforce_pp_returns",
     "rloo_advantages",

@@ -14,6 +14,9 @@ over samples.
 Conventions shared by all estimators: a group of one sample, or a group whose rewards are all
 equal, carries no learning signal and gets advantage exactly 0 (also when eps=0).
 
+`reinforce_pp_baseline_advantages` (at the end) is verl's token-whitened REINFORCE++-baseline as one
+value per sample: it also takes each sample's response length, since the whitening counts tokens.
+
 The registry estimators above do not broadcast advantages over tokens, mask anything or compute
 losses (see `losses.py`). The token-level functions (`gae_advantages`, `reinforce_pp_returns`,
 `reinforce_pp_baseline_token_advantages`, `masked_whiten` and its helpers) take [B, T] tensors and a
@@ -361,4 +364,39 @@ def reinforce_pp_baseline_token_advantages(rewards: Tensor, group_ids: Tensor, m
     m = mask.detach().to(torch.float64)
     x = c[:, None] * m
     adv = masked_whiten(x, m, mean, var)
+    return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+def reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Tensor, response_lengths: Tensor,
+                                     mean: Tensor | float | None = None,
+                                     var: Tensor | float | None = None) -> Tensor:
+    """verl's REINFORCE++-baseline (compute_reinforce_plus_plus_baseline_outcome_advantage), one value per
+    sample: what `reinforce_pp_baseline_token_advantages` gives each of the sample's response tokens.
+
+    Shapes: rewards [N] float, group_ids [N] long, response_lengths [N] (each sample's response / loss token
+    count, n_i) -> advantages [N] (rewards' dtype; float32 for integer rewards), broadcast over the sample's
+    tokens by the loss.
+
+        c_i  = r_i - mean of r over i's group   (a group of one keeps r_i, as verl: its mean is taken as 0;
+                                                 a group of equal rewards gives exactly 0 before whitening)
+        A_i  = (c_i - mean_x) * rsqrt(var_x + 1e-8),   0 when n_i = 0 (a fully masked row)
+
+    mean_x, var_x: mean and unbiased variance of c_i broadcast over every response token of the batch, i.e.
+    weighted by n_i: mean_x = sum n_i c_i / sum n_i, var_x = (sum n_i c_i^2 - sum n_i * mean_x^2) /
+    (sum n_i - 1). Because the whitened token values of one row are all equal, this equals verl's [N, T]
+    result on the row's tokens (to float64 rounding), without building [N, T]. Note that whitening moves
+    equal-reward groups off 0 whenever mean_x != 0, as in verl. `mean` / `var`: statistics to use instead
+    (e.g. all-reduced `whiten_stats`); None computes them from this batch.
+    """
+    if response_lengths.shape != rewards.shape:
+        raise ValueError(f"reinforce_pp_baseline_advantages: response_lengths must be [N] like rewards, got "
+                         f"{tuple(response_lengths.shape)} and {tuple(rewards.shape)}")
+    c = group_centred_rewards(rewards, group_ids, keep_singletons=True)        # float64 [N]
+    n = response_lengths.detach().to(device=c.device, dtype=torch.float64)
+    if mean is None or var is None:
+        mean, var = whiten_mean_var((c * n).sum(), (c * c * n).sum(), n.sum())
+    mean = torch.as_tensor(mean, dtype=torch.float64, device=c.device)
+    var = torch.as_tensor(var, dtype=torch.float64, device=c.device)
+    adv = (c - mean) * torch.rsqrt(var + _WHITEN_EPS)
+    adv = torch.where(n > 0, adv, torch.zeros_like(adv))
     return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)

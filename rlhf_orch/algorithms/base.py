@@ -8,8 +8,8 @@ and answers three questions:
   which algorithm runs. Before any actor starts, config/checks.role_problems refuses a listed role that
   cannot work as configured (a critic.model_path that is not a causal LM folder, a separate reference
   with more workers than shards), and reward_source_problems a run without a reward that counts.
-- `outcome_advantages(rewards, group_ids)`: one advantage per sample from outcome rewards, computed where
-  the step's batch is assembled (the rollout manager). Algorithms whose advantages need a critic return
+- `outcome_advantages(rewards, group_ids, response_lengths)`: one advantage per sample from outcome rewards,
+  computed where the step's batch is assembled (the rollout manager). Algorithms whose advantages need a critic return
   zeros here and set `token_advantages` (called on the trainer ranks, where the values are).
 - `policy_loss(...)`: the per-token policy loss of one micro-batch and its metrics. The trainer calls it
   and aggregates the result; it holds no loss code of its own.
@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from rlhf_orch.algorithms.losses import (aggregate_loss, aggregate_token_loss, check_loss_agg_mode, entropy_bonus,
-                                         kl_divergence, masked_mean, policy_loss)
-from rlhf_orch.algorithms.off_policy import off_policy_weights
+from rlhf_orch.algorithms.losses import (DEFAULT_KL_ESTIMATOR, aggregate_loss, aggregate_token_loss,
+                                         check_loss_agg_mode, entropy_bonus, kl_divergence, masked_mean, policy_loss)
+from rlhf_orch.algorithms.off_policy import OFF_POLICY_AUTO, off_policy_weights
 from rlhf_orch.errors import ConfigError
 
 _REGISTRY: dict[str, type["Algorithm"]] = {}
@@ -95,8 +95,14 @@ class Algorithm:
         self.clip_low = self.s.get("clip_eps", 0.2)
         self.clip_high = self.s.get("clip_eps_high")
         self.kl_coef = float(self.s.get("kl_coef", 0.0))
-        self.kl_estimator = self.s.get("kl_estimator", "k3")
+        self.kl_estimator = self.s.get("kl_estimator", DEFAULT_KL_ESTIMATOR)
+        # A bare settings dict without off_policy is the on-policy loop ("none"). "auto" depends on
+        # rollout.max_staleness, which only the experiment config knows: it resolves it (config/checks.py).
         self.off_policy = self.s.get("off_policy", "none")
+        if self.off_policy == OFF_POLICY_AUTO:
+            raise ConfigError("algorithm.off_policy: 'auto' is resolved from rollout.max_staleness when the experiment "
+                              "config is validated; an algorithm built from a settings dict needs the mode itself "
+                              "(none, tis, mis or decoupled)")
         self.off_policy_kwargs = {k: self.s[k] for k in _OFF_POLICY_KEYS if k in self.s}
         self.clip_ratio_c = self.s.get("clip_ratio_c")
         self.loss_agg_mode = check_loss_agg_mode(self.s.get("loss_agg_mode", "token-mean"))
@@ -124,8 +130,10 @@ class Algorithm:
         return p
 
     # ---- advantages -----------------------------------------------------------------------------
-    def outcome_advantages(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
-        """[N] advantages from [N] outcome rewards (the rollout manager's step batch)."""
+    def outcome_advantages(self, rewards: Tensor, group_ids: Tensor, response_lengths: Tensor | None = None) -> Tensor:
+        """[N] advantages from [N] outcome rewards (the rollout manager's step batch); `response_lengths` [N] are
+        the samples' response-token counts (the loss tokens), for estimators that weigh samples by length
+        (reinforce_pp_baseline's token-level whitening); the others ignore them."""
         raise NotImplementedError
 
     def token_advantages(self, rewards: Tensor, values: Tensor | None, mask: Tensor,

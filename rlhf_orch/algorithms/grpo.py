@@ -13,5 +13,5 @@ from rlhf_orch.algorithms.base import Algorithm, register
 
 @register("grpo")
 class GRPO(Algorithm):
-    def outcome_advantages(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
+    def outcome_advantages(self, rewards: Tensor, group_ids: Tensor, response_lengths: Tensor | None = None) -> Tensor:
         return grpo_advantages(rewards, group_ids, norm_by_std=self.s.get("norm_adv_by_std", True))

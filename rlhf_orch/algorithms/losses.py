@@ -26,7 +26,8 @@ _LOG_RATIO_CLAMP = 20.0
 
 # verl's kl_penalty names (core_algos.kl_penalty_forward); "kl"/"k1", "mse"/"k2" and
 # "low_var_kl"/"k3" are aliases there, and all but k3/low_var_kl are bit-identical aliases here too.
-_KL_BASE = ("k1", "k2", "k3", "kl", "abs", "mse", "low_var_kl")
+# "k3_clamped" (the default) is ours: k3 with its estimate capped at verl's low_var_kl bound.
+_KL_BASE = ("k1", "k2", "k3", "kl", "abs", "mse", "low_var_kl", "k3_clamped")
 # Every name kl_divergence accepts: the base names, then their straight-through "+" variants
 # (verl's kl_penalty with a "+" suffix: forward value of the named estimator, gradient of k2).
 KL_ESTIMATORS = _KL_BASE + tuple(f"{name}+" for name in _KL_BASE)
@@ -36,6 +37,12 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 
 # verl's low_var_kl clamps the estimate itself to this range after the [-20, 20] log-ratio clamp.
 _LOW_VAR_KL_CLAMP = 10.0
+
+# The estimator a run uses when algorithm.kl_estimator is not given (issue #27): unclamped k3 grows as
+# exp(log(ref / p)): e^20 - 21 = 4.85e8 per token once log(ref / p) reaches the +-20 clamp (e.g. at 29), i.e.
+# 4.85e8 x kl_coef in the loss, so one token far from the reference could dominate a step's gradient. k3_clamped caps each token at 10 and is
+# k3, bit for bit, everywhere below the cap, so runs whose k3 never reached 10 are unchanged.
+DEFAULT_KL_ESTIMATOR = "k3_clamped"
 
 
 def _zero_off_mask(x: Tensor, mask: Tensor) -> Tensor:
@@ -166,10 +173,12 @@ def _kl_forward(logprobs: Tensor, ref_logprobs: Tensor, name: str) -> Tensor:
         return 0.5 * diff ** 2
     if name == "abs":
         return diff.abs()
-    if name == "k3":
+    if name in ("k3", "k3_clamped"):
         d = (-diff).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)   # log(ref / p)
         # exp(d) - d - 1 >= 0 in exact arithmetic; clamp the rounding residue near d = 0.
-        return (torch.exp(d) - d - 1.0).clamp(min=0.0)
+        k3 = (torch.exp(d) - d - 1.0).clamp(min=0.0)
+        # k3_clamped: the same tensor, capped at 10 (verl's low_var_kl bound); identical wherever k3 <= 10.
+        return k3 if name == "k3" else k3.clamp(max=_LOW_VAR_KL_CLAMP)
     if name == "low_var_kl":
         # verl's kl_penalty_forward("low_var_kl") exactly: log-ratio clamped to [-20, 20], the
         # estimate clamped to [-10, 10].
@@ -179,7 +188,7 @@ def _kl_forward(logprobs: Tensor, ref_logprobs: Tensor, name: str) -> Tensor:
     raise _kl_unknown(name)
 
 
-def kl_divergence(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
+def kl_divergence(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = DEFAULT_KL_ESTIMATOR) -> Tensor:
     """Per-token estimate of KL(policy || ref) from sampled-token logprobs (Schulman's k1/k2/k3),
     under our names and verl's (core_algos.kl_penalty / kl_penalty_forward).
 
@@ -191,10 +200,13 @@ def kl_divergence(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3")
       k3:              exp(-d') + d' - 1, d' = clamp(d, -20, 20), then clamped to >= 0
                        (unbiased, >= 0, low variance; our k3, unchanged since before verl names)
       low_var_kl:      verl's k3 exactly: x = clamp(-d, -20, 20); clamp(exp(x) - x - 1, -10, 10)
+      k3_clamped:      min(k3, 10)  (THE DEFAULT: bounded like low_var_kl, and bit-identical to k3
+                       wherever k3 <= 10, so runs recorded with k3 reproduce unless a token reached 10)
     "k3" and "low_var_kl" agree except where the estimate exceeds 10 (low_var_kl caps it at 10,
     k3 does not; that is d < -2.611 or d > 11.000) and where float32
     rounding leaves a negative residue near d = 0 (k3 clamps it to 0, low_var_kl keeps it). verl's
-    own "k3" is its low_var_kl; ours keeps the old behaviour so existing runs stay exact.
+    own "k3" is its low_var_kl; ours keeps the old behaviour so existing runs stay exact. Unclamped
+    k3 is unbounded (e^20 - 21 = 4.85e8 per token at |d| >= 20): choose it only on purpose.
 
     Straight-through variants: any name above with a "+" suffix ("k1+", "k3+", "low_var_kl+", ...)
     returns the forward VALUE of the named estimator with the GRADIENT of k2 (0.5 * d^2, whose

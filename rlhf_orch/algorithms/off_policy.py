@@ -19,6 +19,9 @@ and `off_policy_weights` turns w into a per-token weight that multiplies the per
                                                          tokens with w above the cap are masked
                                                          (AReaL's behav_imp_weight_cap)
 
+The config's default, "auto", is resolved by `resolve_off_policy` when the experiment config is
+validated: decoupled when rollout.max_staleness >= 1, none at 0 (see STALE_OFF_POLICY for why).
+
 Tensors follow `rlhf_orch.types`: token tensors [B, T], `response_mask` float [B, T]. Pure
 functions: no all-reduce across ranks, no model code.
 """
@@ -31,6 +34,25 @@ from rlhf_orch.algorithms.losses import _LOG_RATIO_CLAMP, masked_mean
 from rlhf_orch.errors import ConfigError
 
 OFF_POLICY_MODES = ("none", "tis", "mis", "decoupled")
+
+# algorithm.off_policy's default: not a mode of its own but "pick for me from rollout.max_staleness" (issue #27).
+OFF_POLICY_AUTO = "auto"
+# What "auto" becomes when samples may be stale (max_staleness >= 1). decoupled, not tis: the trainer's
+# old_logprobs are its own recomputation at train time, i.e. AReaL's proximal policy, so decoupled PPO is
+# the objective this loss already has (clip against the proximal policy, weight by proximal / behaviour), and
+# it learned best in issue #27's CPU runs (configs/tiny_cpu.yaml, 600 steps, staleness 1, last-20% reward):
+# decoupled 0.903 against tis 0.811 / 0.806 / 0.758, mis 0.754 and none 0.265-0.788, on-policy 0.741-0.896.
+# Its cap masks a token whose weight exceeds decoupled_cap (5) instead of keeping it at tis_cap (2).
+STALE_OFF_POLICY = "decoupled"
+
+
+def resolve_off_policy(mode: str, max_staleness: int) -> str:
+    """The correction a run uses: `mode` itself unless it is "auto", which becomes STALE_OFF_POLICY when
+    max_staleness >= 1 (the engine may sample with older weights than the trainer's) and "none" at 0 (the
+    synchronous loop, exactly as before: no weights, no extra metrics)."""
+    if mode != OFF_POLICY_AUTO:
+        return mode
+    return STALE_OFF_POLICY if max_staleness > 0 else "none"
 
 
 def _check_settings(mode: str, tis_cap: float, mis_low: float, mis_high: float,

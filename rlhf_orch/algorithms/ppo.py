@@ -47,7 +47,7 @@ class PPO(Algorithm):
         self.gamma = float(self.s.get("gamma", 1.0))
         self.lam = float(self.s.get("lam", 1.0))
 
-    def outcome_advantages(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
+    def outcome_advantages(self, rewards: Tensor, group_ids: Tensor, response_lengths: Tensor | None = None) -> Tensor:
         # Per-token advantages need the critic's values: `token_advantages` on the trainer ranks fills them.
         return self.zeros(rewards)
 

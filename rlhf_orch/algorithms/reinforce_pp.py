@@ -1,6 +1,8 @@
-"""REINFORCE++-baseline: centre within the prompt's group, then whiten over the batch; no critic.
+"""REINFORCE++-baseline, per sample: centre within the prompt's group, then whiten over the batch's SAMPLES; no critic.
 
-(advantages.reinforce_pp_advantages; see docs/algorithms.md for how this differs from verl's token whitening.)
+(advantages.reinforce_pp_advantages.) verl's reinforce_plus_plus_baseline whitens over TOKENS (long responses weigh
+more, the token mean is subtracted): that one is `algorithm.name: reinforce_pp_baseline` (reinforce_pp_baseline.py).
+This variant is kept unchanged so that existing runs stay exact.
 """
 from __future__ import annotations
 
@@ -12,5 +14,5 @@ from rlhf_orch.algorithms.base import Algorithm, register
 
 @register("reinforce_pp")
 class ReinforcePPBaseline(Algorithm):
-    def outcome_advantages(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
+    def outcome_advantages(self, rewards: Tensor, group_ids: Tensor, response_lengths: Tensor | None = None) -> Tensor:
         return reinforce_pp_advantages(rewards, group_ids)

@@ -4,7 +4,8 @@ response token of the step; no critic, no groups.
     returns_t = sum_{k >= t} gamma^(k - t) r_k      (r: the outcome reward on the last response token)
     A_t       = (returns_t - mean) / sqrt(var + 1e-8) over the batch's response tokens (all ranks)
 
-(advantages.reinforce_pp_returns). The group-baseline variant is `reinforce_pp`.
+(advantages.reinforce_pp_returns). The group-baseline variants are `reinforce_pp_baseline` (verl's, token
+whitening) and `reinforce_pp` (sample whitening).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ class ReinforcePP(Algorithm):
     group_based = False
     token_level = True
 
-    def outcome_advantages(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
+    def outcome_advantages(self, rewards: Tensor, group_ids: Tensor, response_lengths: Tensor | None = None) -> Tensor:
         return self.zeros(rewards)   # per token, on the trainer ranks
 
     def token_advantages(self, rewards, values, mask, allreduce):

@@ -12,5 +12,5 @@ from rlhf_orch.algorithms.base import Algorithm, register
 
 @register("rloo")
 class RLOO(Algorithm):
-    def outcome_advantages(self, rewards: Tensor, group_ids: Tensor) -> Tensor:
+    def outcome_advantages(self, rewards: Tensor, group_ids: Tensor, response_lengths: Tensor | None = None) -> Tensor:
         return rloo_advantages(rewards, group_ids)

@@ -50,7 +50,8 @@ def assemble(groups: list[Group], trained_version: int, max_staleness: int, algo
     check_versions(samples, trained_version, max_staleness)
     reward_t = torch.tensor(rewards)
     group_ids = torch.tensor([s.prompt_index for s in samples])
-    adv = algorithm.outcome_advantages(reward_t, group_ids)   # a dense reward: outcome algorithms take its sum
+    lengths = torch.tensor([len(s.response_ids) for s in samples])   # the loss tokens (reinforce_pp_baseline)
+    adv = algorithm.outcome_advantages(reward_t, group_ids, response_lengths=lengths)   # dense: outcome algorithms take its sum
     batch = build_train_batch(samples, adv, pad_id, rewards=reward_t)
     if per_token:
         batch.rewards = token_reward_tensor(samples, per_token, batch.response_mask)

@@ -183,7 +183,7 @@ def test_kl_estimators_on_hand_values():
     close(kl_divergence(lp, lr, "k2"), [[0.240227]])           # 0.5 * ln(2)^2
     close(kl_divergence(lp, lr, "k3"), [[0.193147]])           # 0.5 - (-ln 2) - 1
     close(kl_divergence(lr, lp, "k3"), [[0.306853]])           # 2 - ln 2 - 1
-    close(kl_divergence(lp, lr), [[0.193147]])                 # k3 is the default
+    close(kl_divergence(lp, lr), [[0.193147]])                 # the default (k3_clamped) is k3 below its cap
 
 
 def test_kl_k3_nonnegative_and_zero_when_equal():

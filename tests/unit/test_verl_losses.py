@@ -82,8 +82,8 @@ def _old_policy_loss(logprobs, old_logprobs, advantages, response_mask, lo=0.2, 
 # ----------------------------------------------------------------------------- KL estimators
 
 def test_kl_estimator_names():
-    assert KL_ESTIMATORS == ("k1", "k2", "k3", "kl", "abs", "mse", "low_var_kl",
-                             "k1+", "k2+", "k3+", "kl+", "abs+", "mse+", "low_var_kl+")
+    assert KL_ESTIMATORS == ("k1", "k2", "k3", "kl", "abs", "mse", "low_var_kl", "k3_clamped",
+                             "k1+", "k2+", "k3+", "kl+", "abs+", "mse+", "low_var_kl+", "k3_clamped+")
 
 
 def test_kl_estimators_on_hand_values():
