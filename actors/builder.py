@@ -24,6 +24,7 @@ from actors.trainer import TrainerGroup
 from rlhf_orch.checkpoint import (checkpoint_dir, commit, find_good, read_rl_state, staging_dir, truncate_metrics,
                                   write_rl_state)
 from rlhf_orch.config import engine_names
+from rlhf_orch.config.checks import engines_that_cannot_stop
 from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError
 from rlhf_orch.metrics.timeline import Timeline
 
@@ -161,7 +162,8 @@ class Cluster(EngineRecovery):
                         algorithm=a.model_dump(), pad_id=pad_id, num_ranks=cfg.trainer.num_ranks,
                         balance_tokens=bool(cfg.trainer.max_tokens_per_micro_batch), dense_reward=cfg.reward.dense,
                         engine_stall_s=cfg.fault_tolerance.engine_stall_s,
-                        health_interval_s=cfg.fault_tolerance.health_interval_s)
+                        health_interval_s=cfg.fault_tolerance.health_interval_s, deterministic=r.deterministic,
+                        seed=cfg.experiment.seed)
         params = {n: sampling_params(self.sampling[n], a.group_size) for n in self.engines}
         self.rollouts = RolloutManager.options(name=f"{name}-rollouts", runtime_env={"env_vars": env}).remote(
             self.engines, self.rewarders, dataset, params, settings, self.timeline.t0)
@@ -216,8 +218,11 @@ class Cluster(EngineRecovery):
         pending = (resumed or {}).get("rollout", {}).get("pending")
         if resumed:
             self._rget(self.rollouts.restore_data.remote(resumed["data"]), "rollout manager")
-        if "max_staleness" in overrides or "partial_rollouts" in overrides:
-            self.pause_mode = "keep" if overrides.pop("partial_rollouts", False) else self.cfg.rollout.running_requests
+        if "max_staleness" in overrides or "partial_rollouts" in overrides:   # as config/checks.py resolves "auto"
+            r, stale = self.cfg.rollout, overrides.get("max_staleness", self.cfg.rollout.max_staleness)
+            auto = "abort" if stale >= 1 and not r.deterministic and not engines_that_cannot_stop(self.cfg) else "wait"
+            self.pause_mode = ("keep" if overrides.pop("partial_rollouts", False) else
+                               r.running_requests if "running_requests" in r.model_fields_set else auto)
         self._rget(self.rollouts.start.remote(first_step, last_step or self.cfg.experiment.steps, version, pending,
                                               overrides), "rollout manager to start")
 

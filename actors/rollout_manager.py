@@ -9,6 +9,13 @@ here to the ranks through the object store, never through the driver.
 The decisions (admission, deadlines, dispatch, batch choice, ledger) are rlhf_orch.rollout.scheduler's; this
 shell only awaits engines and reward workers (an asyncio actor: one event loop, no locks).
 
+Deterministic mode (rollout.deterministic: `settings["deterministic"]`): the scheduler fills batches in draw order
+and rotates chunks over the engines; here every generate call carries its engine's dispatch number (`ticket`: the
+engine serves them in that order) and the weight version it was dispatched under, groups sample from seeds of their own
+(experiment seed, gid, attempt) when max_staleness >= 1, new groups are drawn only inside `next_batch` (after every
+earlier group has been scored, with filter_groups), and `next_batch` returns only after its calls were sent, so the
+sync that follows (running_requests wait) waits for them. Engine faults are not reproduced.
+
 Engine faults: an engine whose actor dies during generate, or that a health check finds hung (no progress
 for `engine_stall_s` while it has work, or no answer to the check; rlhf_orch.rollout.health), is declared
 dead: its actor is killed (a hung process must not keep its GPU), its running groups go back to the queue
@@ -22,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import time
 
 import ray
@@ -56,6 +64,8 @@ class RolloutManager:
         self.health = HealthTracker(settings.get("engine_stall_s", 30.0))
         self.dead: dict[str, dict] = {}      # declared dead, not yet taken by the driver
         self._watcher: asyncio.Task | None = None
+        self._tickets: dict[str, int] = {}   # deterministic: each engine actor's next dispatch number (kept across start())
+        self._in_window = False               # inside next_batch, after set_version: dispatches carry their version
 
     # ---- control (driver) -------------------------------------------------------------------------
     async def start(self, first_step: int, last_step: int, version: int, pending: list | None = None,
@@ -73,7 +83,8 @@ class RolloutManager:
                                     max_staleness=s["max_staleness"], first_step=first_step, last_step=last_step,
                                     engines=list(self.engines), draw=lambda: self.dataset.next_batch(1)[0],
                                     dispatch_groups=s["dispatch_groups"], filter_groups=s["filter_groups"],
-                                    filter_max_draws=s["filter_max_draws"])
+                                    filter_max_draws=s["filter_max_draws"],
+                                    deterministic=bool(s.get("deterministic", False)))
         self.sched.version = version
         if pending:
             self.sched.requeue([self.dataset.prompt(tuple(src)) for src in pending])
@@ -86,25 +97,22 @@ class RolloutManager:
         hold version step-1 on entry: groups that need it are admitted and dispatched first."""
         # Step `step` trains version step-1, which the engines hold now: admit what the bound allows first.
         # (One call, not a separate set_version: Ray does not order an async actor's calls.)
-        self.sched.set_version(step - 1)
-        self._pump()
         deadline = time.monotonic() + timeout_s
-        async with self._cond:
-            while True:
-                if self.error is not None:
-                    raise self.error
-                if not self.engines and self.dead:   # nobody left to generate: the driver replaces one now
-                    return {"need_engines": sorted(self.dead)}, None
-                groups = self.sched.select_batch(step)
-                if groups is not None:
-                    break
-                left = deadline - time.monotonic()
-                try:
-                    await asyncio.wait_for(self._cond.wait(), timeout=max(left, 0.0))
-                except asyncio.TimeoutError:
-                    raise RolloutError(f"rollout manager: no batch for step {step} after {timeout_s:.0f}s; "
-                                       f"ledger {self.sched.ledger()}; look at the engines on the Ray dashboard "
-                                       "or raise ray.get_timeout_s") from None
+        det = self.sched.deterministic
+        if det and self.sched.filter_groups:   # admission counts filtered groups: all earlier ones scored first
+            if await self._wait(step, deadline, lambda: True if self.sched.settled() else None, timeout_s) is None:
+                return {"need_engines": sorted(self.dead)}, None
+        self.sched.set_version(step - 1)
+        self._in_window = True
+        try:
+            self._pump()
+            groups = await self._wait(step, deadline, lambda: self._select(step), timeout_s)
+            if det:   # the calls just dispatched are sent before the driver may sync (they must run first)
+                await asyncio.sleep(0)
+        finally:
+            self._in_window = False
+        if groups is None:   # nobody left to generate: the driver replaces one now
+            return {"need_engines": sorted(self.dead)}, None
         filtered = self.sched.take(groups)
         s = self.s
         ready, dispatched = max(g.ready_at for g in groups), min(g.dispatched_at for g in groups)
@@ -119,6 +127,31 @@ class RolloutManager:
         meta = {"metrics": metrics, "tokens": sb.tokens, "example": sb.example, "sources": sb.sources, "events": self.events(),
                 "state": self.state()}
         return meta, [ray.put(b) for b in sb.shards]
+
+    def _select(self, step: int):
+        groups = self.sched.select_batch(step)
+        if groups is None and self.sched.deterministic and self.sched.settled() and self.sched.can_admit():
+            self._pump()   # too few live groups for the batch (filtered ones): draw more now that all have settled
+        return groups
+
+    async def _wait(self, step: int, deadline: float, ready, timeout_s: float):
+        """ready()'s first non-None value, re-checked whenever the manager's state changes; None when every engine is
+        dead (the driver replaces one). Raises the run's error, or RolloutError at `deadline`."""
+        async with self._cond:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                if not self.engines and self.dead:
+                    return None
+                value = ready()
+                if value is not None:
+                    return value
+                try:
+                    await asyncio.wait_for(self._cond.wait(), timeout=max(deadline - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    raise RolloutError(f"rollout manager: no batch for step {step} after {timeout_s:.0f}s; "
+                                       f"ledger {self.sched.ledger()}; look at the engines on the Ray dashboard "
+                                       "or raise ray.get_timeout_s") from None
 
     def health(self) -> dict:
         """Its process id (fault tests kill it; the driver restarts the run when it dies)."""
@@ -151,6 +184,7 @@ class RolloutManager:
         """A replacement (already synced and verified) takes work from now on."""
         self.engines[name] = actor
         self.params[name] = params
+        self._tickets[name] = 0   # a new actor: its dispatch numbers start again
         self.sched.add_engine(name)
         self._pump()
         await self._notify()
@@ -172,10 +206,17 @@ class RolloutManager:
             return
         self.sched.admit()
         now = time.time()
+        det = self.sched.deterministic
         for engine, groups in self.sched.plan_dispatch():
             for g in groups:
                 g.dispatched_at = now
-            self._spawn(self._generate(engine, groups))
+            ticket = version = None
+            if det:
+                ticket = self._tickets.get(engine, 0)
+                self._tickets[engine] = ticket + 1
+                # Outside next_batch (a fault's re-queue) the engines may be past sched.version: no check then.
+                version = self.sched.version if self._in_window else None
+            self._spawn(self._generate(engine, groups, ticket, version))
 
     async def _notify(self) -> None:
         async with self._cond:
@@ -187,10 +228,12 @@ class RolloutManager:
             logger.error("%s", err)
         await self._notify()
 
-    async def _generate(self, engine: str, groups) -> None:
+    async def _generate(self, engine: str, groups, ticket: int | None = None, version: int | None = None) -> None:
         try:
-            samples, stats = await self.engines[engine].generate.remote([g.prompt.token_ids for g in groups],
-                                                                          self._params(engine, groups))
+            prompts = [g.prompt.token_ids for g in groups]
+            call = self.engines[engine].generate
+            samples, stats = await (call.remote(prompts, self._params(engine, groups)) if ticket is None else
+                                    call.remote(prompts, self._params(engine, groups), ticket, version))
         except Exception as e:
             if engine not in self.engines:   # declared dead already (a health check): its groups were re-queued
                 return
@@ -216,12 +259,24 @@ class RolloutManager:
 
     def _params(self, engine: str, groups):
         """The engine's sampling parameters, or one per group where dataset rows bound their own length
-        (`max_new_tokens`, `ignore_eos`: e.g. a benchmark's long-tailed lengths)."""
+        (`max_new_tokens`, `ignore_eos`: e.g. a benchmark's long-tailed lengths) or, deterministic with
+        max_staleness >= 1, where each group samples from its own seed (`group_seed`): its samples then depend on
+        neither the engine nor what it generated before."""
         base = self.params[engine]
-        if not any("max_new_tokens" in g.prompt.row or "ignore_eos" in g.prompt.row for g in groups):
+        seeded = self.sched.deterministic and self.s["max_staleness"] >= 1
+        if not seeded and not any("max_new_tokens" in g.prompt.row or "ignore_eos" in g.prompt.row for g in groups):
             return base
-        return [dataclasses.replace(base, max_new_tokens=int(g.prompt.row.get("max_new_tokens", base.max_new_tokens)),
-                                    ignore_eos=bool(g.prompt.row.get("ignore_eos", base.ignore_eos))) for g in groups]
+        out = []
+        for g in groups:
+            p = dataclasses.replace(base, max_new_tokens=int(g.prompt.row.get("max_new_tokens", base.max_new_tokens)),
+                                    ignore_eos=bool(g.prompt.row.get("ignore_eos", base.ignore_eos)))
+            if seeded:
+                p = dataclasses.replace(p, seed=group_seed(self._seed(), g.gid, g.attempts, base.n))
+            out.append(p)
+        return out
+
+    def _seed(self) -> int:
+        return int(self.s.get("seed", getattr(self.dataset, "seed", 0)))
 
     async def _score(self, groups) -> None:
         i = min(range(len(self.rewarders)), key=lambda j: self._reward_load[j])
@@ -254,7 +309,7 @@ class RolloutManager:
                 g.token_rewards = parts["token_rewards"][at:at + n]
             refill |= not self.sched.on_scored(g, parts["rewards"][at:at + n], now)
             at += n
-        if refill:
+        if refill and not self.sched.deterministic:   # deterministic: drawn inside next_batch, at a fixed point
             self._pump()
         await self._notify()
 
@@ -309,3 +364,12 @@ class RolloutManager:
                 await asyncio.gather(*(self._check(n, a) for n, a in list(self.engines.items())))
             except Exception:   # a health check must never take the manager down
                 logger.exception("health check failed")
+
+
+_SEED_SPACE = 2**31 - 1   # vLLM and SGLang take 32-bit seeds
+
+
+def group_seed(seed: int, gid: int, attempt: int, n: int) -> int:
+    """The sampling seed of one dispatch of group `gid` (sample j uses this + j): a hash of (seed, gid, attempt), so a
+    group generated again (after an engine fault) samples afresh, and reruns sample the same."""
+    return random.Random(f"rlhf_orch-group/{seed}/{gid}/{attempt}").randrange(_SEED_SPACE - n)

@@ -1,4 +1,5 @@
 """Shared fixtures: loopback-only Ray and gloo, and a tiny model directory built once per session."""
+import logging
 import os
 
 import pytest
@@ -13,6 +14,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 os.environ.setdefault("MKL_CBWR", "AVX2")
 os.environ.setdefault("DNNL_MAX_CPU_ISA", "AVX2")
+
+
+@pytest.fixture
+def config_warnings(monkeypatch, caplog):
+    """caplog for the config checks' warnings, which each test sees again (the module logs each one once per process)."""
+    from rlhf_orch.config import checks
+    monkeypatch.setattr(checks, "_warned", set())
+    caplog.set_level(logging.WARNING, logger="rlhf_orch.config.checks")
+    return caplog
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,90 @@ Only checks: the sections themselves, their fields and single-field validators a
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rlhf_orch.config.schema import ExperimentConfig
+
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()   # warnings already logged by this process: a config validated again says nothing new
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
+
+
+def resolve_algorithm_defaults(cfg: ExperimentConfig) -> None:
+    """Defaults of the algorithm section that depend on other sections, resolved in place so the validated config
+    (and the run's config.json) shows the real choice; and warnings for explicit choices that are allowed but
+    unsafe. Runs first in the cross-field validator, the one place that sees every section.
+
+    - algorithm.off_policy "auto" -> decoupled when rollout.max_staleness >= 1, none at 0
+      (algorithms.off_policy.resolve_off_policy says why decoupled). An explicit none with max_staleness >= 1
+      stays, with a warning naming both fields.
+    - algorithm.kl_estimator k3 (unclamped, now only by explicit choice) with a KL term in use: a warning.
+    """
+    from rlhf_orch.algorithms.off_policy import resolve_off_policy
+    resolve_rollout_defaults(cfg)
+    a, staleness = cfg.algorithm, cfg.rollout.max_staleness
+    resolved = resolve_off_policy(a.off_policy, staleness)
+    if resolved != a.off_policy:
+        given = "off_policy" in a.model_fields_set
+        a.off_policy = resolved
+        if not given:   # a resolved default is still not the user's choice (checks that ask "was it set?")
+            a.model_fields_set.discard("off_policy")
+    elif a.off_policy == "none" and staleness > 0:
+        _warn_once(f"algorithm.off_policy: none with rollout.max_staleness {staleness} trains samples up to "
+                   f"{staleness} policy version(s) old without any correction (the engine's logprobs never enter the "
+                   "loss, and such runs learned worse than on-policy); remove algorithm.off_policy (auto picks "
+                   "decoupled) or set it to decoupled or tis, or set rollout.max_staleness: 0")
+    if a.kl_estimator == "k3" and (a.kl_coef > 0 or a.use_kl_in_reward):
+        _warn_once("algorithm.kl_estimator: k3 is unclamped: one token far from the reference adds up to "
+                   "4.85e8 x the KL weight to the loss; set algorithm.kl_estimator: k3_clamped (the default, equal to "
+                   "k3 wherever k3 is below 10) or low_var_kl, unless you want the unbounded estimate")
+
+
+def engines_that_cannot_stop(cfg: ExperimentConfig) -> list[tuple[int, str, str]]:
+    """(index, kind, fix) of every engine whose requests cannot stop between two decode steps (park or abort)."""
+    out = []
+    for i, e in enumerate(cfg.engines):
+        if e.kind not in PARTIAL_ROLLOUT_KINDS and not getattr(e, "streaming", False):
+            fix = (f"set engines.{i}.streaming: true" if e.kind in ("vllm", "sglang")
+                   else f"use kind {' or '.join(PARTIAL_ROLLOUT_KINDS)}, or vllm/sglang with streaming: true")
+            out.append((i, e.kind, fix))
+    return out
+
+
+def resolve_rollout_defaults(cfg: ExperimentConfig) -> None:
+    """rollout.running_requests "auto", resolved in place (the saved config shows the choice; the field stays out of
+    model_fields_set, as the user did not set it). Issue #27: a sync must not wait for running requests, so without
+    partial rollouts they are aborted and re-queued wherever that is possible:
+
+    - abort: max_staleness >= 1, no partial rollouts, not deterministic, and every engine can stop mid-request
+      (kind hf, or vllm/sglang with streaming: true).
+    - wait: max_staleness 0 (nothing runs during a sync: the synchronous loop exactly); partial rollouts (the pause
+      parks requests, "keep", and this field is not read); deterministic (which requests a sync would catch depends on
+      timing); and, with one warning naming the engine and the fix, engines that cannot stop mid-request.
+    """
+    r = cfg.rollout
+    if r.running_requests != "auto":
+        return
+    resolved = "wait"
+    if r.max_staleness >= 1 and not r.partial_rollouts and not r.deterministic:
+        stuck = engines_that_cannot_stop(cfg)
+        if not stuck:
+            resolved = "abort"
+        else:
+            i, kind, fix = stuck[0]
+            _warn_once(f"rollout.running_requests: auto resolves to wait because engines.{i} (kind {kind}) cannot stop "
+                       f"a request between two decode steps, so every weight sync waits for the running requests "
+                       f"(the trainer idles meanwhile); {fix} so they are aborted and re-queued instead, or set "
+                       f"rollout.running_requests: wait to keep this")
+    r.running_requests = resolved
+    r.model_fields_set.discard("running_requests")
 
 
 def output_problems(cfg: ExperimentConfig) -> list[str]:
@@ -30,6 +110,7 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
     from rlhf_orch.algorithms.base import algorithm_names, make_algorithm
     from rlhf_orch.config.schema import engine_names
 
+    resolve_algorithm_defaults(cfg)
     p: list[str] = output_problems(cfg)
     if cfg.algorithm.name not in algorithm_names():
         p.append(f"algorithm.name: unknown algorithm {cfg.algorithm.name!r}; use one of: {', '.join(algorithm_names())}")
@@ -331,6 +412,9 @@ def packing_problems(cfg: ExperimentConfig) -> list[str]:
     return p
 
 
+# Generate calls that may wait for their turn in one engine actor (deterministic mode): the actor runs 64 calls at once
+# (actors/rollout.py max_concurrency) and its pause, sync and health calls need threads too.
+DETERMINISTIC_MAX_QUEUED_CALLS = 32
 PARTIAL_ROLLOUT_KINDS = ("hf",)   # engine kinds whose decode loop can park mid-request (plus vllm, sglang with streaming)
 
 
@@ -339,13 +423,32 @@ def rollout_problems(cfg: ExperimentConfig) -> list[str]:
     if r.partial_rollouts and r.max_staleness == 0:
         p.append("rollout.partial_rollouts: with max_staleness 0 no request runs while weights change; "
                  "set rollout.max_staleness >= 1 or partial_rollouts: false")
+    stuck = engines_that_cannot_stop(cfg)
     if r.partial_rollouts:
-        for i, e in enumerate(cfg.engines):
-            if e.kind not in PARTIAL_ROLLOUT_KINDS and not getattr(e, "streaming", False):
-                fix = (f"set engines.{i}.streaming: true" if e.kind in ("vllm", "sglang")
-                       else f"use kind {' or '.join(PARTIAL_ROLLOUT_KINDS)}, or vllm/sglang with streaming: true")
-                p.append(f"rollout.partial_rollouts: engines.{i} (kind {e.kind}) cannot pause between decode steps; "
-                         f"{fix}, or set partial_rollouts: false")
+        for i, kind, fix in stuck:
+            p.append(f"rollout.partial_rollouts: engines.{i} (kind {kind}) cannot pause between decode steps; "
+                     f"{fix}, or set partial_rollouts: false")
+    elif r.running_requests == "abort" and r.max_staleness >= 1:
+        for i, kind, fix in stuck:
+            p.append(f"rollout.running_requests: abort needs engines that stop a request between two decode steps and "
+                     f"engines.{i} (kind {kind}) cannot; {fix}, or set running_requests: wait (or remove it: auto)")
+    if r.deterministic and r.partial_rollouts:
+        p.append("rollout.deterministic: a parked request continues on the new weights from whichever token it had "
+                 "reached, which depends on timing; set partial_rollouts: false or deterministic: false")
+    elif r.deterministic and r.running_requests == "abort" and r.max_staleness >= 1:
+        p.append("rollout.deterministic: which requests a sync aborts depends on timing; set rollout.running_requests: "
+                 "wait (or remove it: auto picks wait when deterministic) or deterministic: false")
+    if r.deterministic:
+        import math
+        from rlhf_orch.config.schema import engine_names
+        engines, B = len(engine_names(cfg)), cfg.data.prompts_per_step
+        per_call = r.dispatch_groups or math.ceil(B / engines)
+        calls = math.ceil(math.ceil(B * (r.max_staleness + 1) / per_call) / engines)
+        if calls > DETERMINISTIC_MAX_QUEUED_CALLS:
+            fit = math.ceil(B * (r.max_staleness + 1) / (engines * DETERMINISTIC_MAX_QUEUED_CALLS))
+            p.append(f"rollout.deterministic: up to {calls} generate calls per engine would queue for their turn, more "
+                     f"than the {DETERMINISTIC_MAX_QUEUED_CALLS} an engine actor holds beside its sync and health calls; "
+                     f"set rollout.dispatch_groups to at least {fit} (or 0: one call per engine per step)")
     if r.max_staleness:
         for i, e in enumerate(cfg.engines):
             if e.sleep_level:

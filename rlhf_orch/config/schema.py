@@ -178,16 +178,16 @@ class KLControlSection(_Section):
 
 
 class AlgorithmSection(_Section):
-    name: str = Field("grpo", description="Algorithm (rlhf_orch/algorithms/, one module each): grpo, rloo, reinforce_pp "
-                      "(group baselines, no critic), reinforce_pp_gamma (discounted returns, no critic) or ppo (a "
-                      "critic and GAE; see the critic section).")
+    name: str = Field("grpo", description="Algorithm (rlhf_orch/algorithms/, one module each): grpo, rloo, "
+                      "reinforce_pp_baseline (verl's), reinforce_pp (group baselines, no critic), reinforce_pp_gamma "
+                      "(discounted returns, no critic) or ppo (a critic and GAE; see the critic section).")
     group_size: int = Field(8, ge=1, description="Samples per prompt (n).")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (low side).")
     clip_eps_high: float | None = Field(None, gt=0, description="Upper clip range (default: clip_eps).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of KL(policy || frozen reference) in the loss; 0 disables the reference.")
-    kl_estimator: str = Field("k3", description="KL estimator in the loss and metrics: k1, k2, k3 (ours: unclamped), or "
-                              "verl's names kl, abs, mse, low_var_kl (verl's clamped k3); a '+' suffix (k3+, low_var_kl+) "
-                              "keeps the value and takes k2's gradient (straight-through), as verl.")
+    kl_estimator: str = Field("k3_clamped", description="KL estimator in the loss and metrics: k3_clamped (default: k3 "
+                              "capped at 10 per token, verl's low_var_kl bound), k1, k2, k3 (unclamped: warns), or verl's "
+                              "kl, abs, mse, low_var_kl; a '+' suffix (k3+) takes k2's gradient (straight-through), as verl.")
     loss_agg_mode: str = Field("token-mean", description="verl's loss_agg_mode: token-mean, seq-mean-token-sum, "
                                "seq-mean-token-mean or seq-mean-token-sum-norm (over the whole step, however it is split).")
     loss_norm_len: float | None = Field(None, gt=0, description="seq-mean-token-sum-norm: the constant length the token "
@@ -197,10 +197,10 @@ class AlgorithmSection(_Section):
     entropy_coeff: float = Field(0.0, ge=0, description="Entropy bonus weight (verl's entropy_coeff): the loss subtracts "
                                  "entropy_coeff x the entropy, aggregated like the loss.")
     norm_adv_by_std: bool = Field(True, description="grpo only: divide by the group std (False: Dr.GRPO-style centring).")
-    off_policy: Literal["none", "tis", "mis", "decoupled"] = Field("none", description="Correction for samples "
-        "the engine drew from another policy (stale weights, kernel mismatch): none; tis (truncated importance "
-        "weights, cap tis_cap); mis (tokens whose weight leaves [mis_low, mis_high] are masked); decoupled "
-        "(AReaL's decoupled PPO: clip against the trainer's proximal policy, weight by proximal/behaviour, mask above decoupled_cap).")
+    off_policy: Literal["auto", "none", "tis", "mis", "decoupled"] = Field("auto", description="Correction for samples "
+        "drawn from another policy (stale weights, kernel mismatch): none; tis (weights truncated at tis_cap); mis (tokens "
+        "outside [mis_low, mis_high] masked); decoupled (AReaL's decoupled PPO, mask above decoupled_cap); auto (default): "
+        "decoupled when rollout.max_staleness >= 1 (algorithms/off_policy.py says why), none at 0 (none with staleness warns).")
     tis_cap: float = Field(2.0, ge=1, description="tis: importance weights are truncated at this value.")
     mis_low: float = Field(0.5, ge=0, lt=1, description="mis: tokens with importance weight below this are masked.")
     mis_high: float = Field(2.0, gt=1, description="mis: tokens with importance weight above this are masked.")
@@ -359,8 +359,13 @@ class RolloutSection(_Section):
     partial_rollouts: bool = Field(False, description="At a weight sync, park running requests between decode steps "
                                    "and continue them with the new weights (their later tokens carry the new version). "
                                    "Needs max_staleness >= 1 and engines that can pause mid-request.")
-    running_requests: Literal["wait", "abort"] = Field("wait", description="Without partial rollouts: at a weight sync, "
-                                                       "let running requests finish (wait) or abort and re-queue them (abort).")
+    running_requests: Literal["auto", "wait", "abort"] = Field("auto", description="Without partial rollouts: at a "
+        "weight sync, let running requests finish (wait) or stop them between two decode steps and re-queue them "
+        "(abort). auto (default, resolved when the config loads): abort when max_staleness >= 1 and every engine can "
+        "stop mid-request (hf, or vllm/sglang with streaming: true), else wait (config/checks.py says why).")
+    deterministic: bool = Field(False, description="Make max_staleness >= 1 runs reproducible from experiment.seed "
+        "(rlhf_orch/rollout/scheduler.py says how). Costs throughput: no aborts or partial rollouts, and a slow group or "
+        "engine holds up the others.")
     dispatch_groups: int = Field(0, ge=0, description="Prompt groups per generate call (0: prompts_per_step / number of "
                                  "engines, one call per engine per step).")
     filter_groups: bool = Field(False, description="Dynamic sampling: drop groups whose rewards are all equal (no GRPO "

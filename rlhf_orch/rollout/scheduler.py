@@ -17,6 +17,14 @@ admitted after sync s-1 and is due at s: exactly the synchronous loop, in draw o
 Dispatch is load-aware: queued groups go out in draw order, in chunks of `dispatch_groups`, each chunk to the
 engine with the fewest outstanding samples.
 
+Deterministic mode (rollout.deterministic, for max_staleness >= 1 runs reproducible from a seed): nothing here may
+depend on which call returned first. A step's batch is the oldest live groups in draw (gid) order, at least
+prompts_per_step and every due one, and it waits until all of them are scored (`select_batch`); chunks go to the
+engines in a fixed rotation, not to the least loaded (`plan_dispatch`); and the manager admits only at points where
+every earlier group has settled (`settled`), so draws, versions and deadlines are the same in every run. The
+manager's part (calls served in dispatch order, seeds per group, syncs after the calls before them) is in
+actors/rollout_manager.py.
+
 Engine faults: `engine_failed(e)` puts the groups running on a dead engine back in the queue (they keep their
 admission version and deadline, so a regenerated group is never staler than the bound) and stops dispatching to
 it; `add_engine(e)` brings a replacement in. A dead engine's late answers are ignored by the caller.
@@ -58,13 +66,15 @@ class Group:
 class GroupScheduler:
     def __init__(self, *, prompts_per_step: int, group_size: int, max_staleness: int, first_step: int,
                  last_step: int, engines: list[str], draw: Callable[[], Prompt], dispatch_groups: int = 0,
-                 filter_groups: bool = False, filter_max_draws: float = 3.0):
+                 filter_groups: bool = False, filter_max_draws: float = 3.0, deterministic: bool = False):
         self.B, self.n, self.k = prompts_per_step, group_size, max_staleness
         self.first_step, self.last_step = first_step, last_step
         self.engines = list(engines)
         self.draw = draw
         self.dispatch_groups = dispatch_groups or math.ceil(prompts_per_step / max(1, len(self.engines)))
         self.filter_groups, self.filter_max_draws = filter_groups, filter_max_draws
+        self.deterministic = deterministic
+        self._rotation = 0     # deterministic: chunks dispatched so far (the next one goes to engines[_rotation % n])
         self.version = first_step - 1
         self.groups: dict[int, Group] = {}
         self.requeue_first: list[Prompt] = []     # draws of an earlier run segment, served before new ones
@@ -73,6 +83,7 @@ class GroupScheduler:
                        "kept_over_cap": 0, "requeued_on_failure": 0}
         self._next_gid = 0
         self._filtered_since_batch = 0
+        self._filtered_gids: list[int] = []   # deterministic: filtered groups not yet reported by a batch
 
     # ---- admission --------------------------------------------------------------------------------
     def budget(self) -> int:
@@ -108,7 +119,11 @@ class GroupScheduler:
             return plan
         for i in range(0, len(queued), self.dispatch_groups):
             chunk = queued[i:i + self.dispatch_groups]
-            engine = min(self.engines, key=lambda e: (self.outstanding[e], self.engines.index(e)))
+            if self.deterministic:   # a fixed rotation: which engine got a chunk must not depend on which returned first
+                engine = self.engines[self._rotation % len(self.engines)]
+                self._rotation += 1
+            else:
+                engine = min(self.engines, key=lambda e: (self.outstanding[e], self.engines.index(e)))
             for g in chunk:
                 g.state, g.engine = RUNNING, engine
                 g.attempts += 1
@@ -149,6 +164,10 @@ class GroupScheduler:
             self.engines.append(engine)
             self.outstanding[engine] = 0
 
+    def settled(self) -> bool:
+        """No group is being generated or scored: every draw so far is ready, filtered or trained."""
+        return not any(g.state in (RUNNING, SCORING) for g in self.groups.values())
+
     def busy(self, engine: str) -> bool:
         return self.outstanding.get(engine, 0) > 0
 
@@ -165,6 +184,8 @@ class GroupScheduler:
             del self.groups[g.gid]      # kept only as a count: the ledger must not grow with the run
             self.counts["filtered"] += 1
             self._filtered_since_batch += 1
+            if self.deterministic:
+                self._filtered_gids.append(g.gid)
             return False
         g.state = READY
         return True
@@ -172,6 +193,8 @@ class GroupScheduler:
     # ---- batches ----------------------------------------------------------------------------------
     def select_batch(self, step: int) -> list[Group] | None:
         """The groups step `step` trains on, or None while it must wait. Raises if it can never be filled."""
+        if self.deterministic:
+            return self._select_in_order(step)
         unconsumed = list(self.groups.values())
         due = [g for g in unconsumed if g.deadline <= step]
         if any(g.state != READY for g in due):
@@ -185,6 +208,25 @@ class GroupScheduler:
             return chosen
         if any(g.state != READY for g in unconsumed) or self.can_admit():
             return None
+        return self._short_batch(step, chosen)
+
+    def _select_in_order(self, step: int) -> list[Group] | None:
+        """Deterministic mode: the oldest live groups by gid, prompts_per_step of them or every due one if more (due
+        groups are the oldest: deadlines never decrease with gid), once all of them are scored. Later groups that
+        finished first wait. Fewer live groups than a batch: None while more may be drawn (the manager draws them once
+        everything has settled), else the short batch."""
+        live = sorted(self.groups.values(), key=lambda g: g.gid)
+        need = max(self.B, sum(g.deadline <= step for g in live))
+        chosen = live[:need]
+        if any(g.state != READY for g in chosen):
+            return None
+        if len(chosen) >= self.B:
+            return chosen
+        if self.can_admit():
+            return None
+        return self._short_batch(step, chosen)
+
+    def _short_batch(self, step: int, chosen: list[Group]) -> list[Group]:
         # Defensive: with equal-reward groups kept once the draw cap is spent, a step always gets its groups.
         if not chosen:
             if self.filter_groups:
@@ -203,6 +245,10 @@ class GroupScheduler:
             g.state = TRAINED
             self.counts["trained"] += 1
         filtered, self._filtered_since_batch = self._filtered_since_batch, 0
+        if self.deterministic and groups:   # those older than the batch's newest: all settled, whatever the timing
+            last = max(g.gid for g in groups)
+            filtered = sum(gid <= last for gid in self._filtered_gids)
+            self._filtered_gids = [gid for gid in self._filtered_gids if gid > last]
         for g in groups:   # kept only as counts from here on
             self.groups.pop(g.gid, None)
         return filtered

@@ -117,7 +117,7 @@ def test_rollout_settings_are_checked_before_anything_starts():
     assert str(e.value).startswith("rollout.max_staleness: Input should be greater than or equal to 0")
     with pytest.raises(ConfigError, match=r"rollout.partial_rollouts: with max_staleness 0 no request runs"):
         load_config(cfg, ["rollout.partial_rollouts=true"])
-    with pytest.raises(ConfigError, match=r"algorithm.off_policy: Input should be 'none', 'tis', 'mis' or 'decoupled'"):
+    with pytest.raises(ConfigError, match=r"algorithm.off_policy: Input should be 'auto', 'none', 'tis', 'mis' or 'decoupled'"):
         load_config(cfg, ["algorithm.off_policy=ppo"])
     with pytest.raises(ConfigError, match=r"rollout.filter_groups: a group of one sample"):
         load_config(cfg, ["rollout.filter_groups=true", "algorithm.group_size=1"])

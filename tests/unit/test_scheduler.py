@@ -140,3 +140,62 @@ def test_no_engine_left_keeps_groups_queued_until_a_replacement_joins():
     s.add_engine("a#1")
     plan = s.plan_dispatch()
     assert [(e, len(gs)) for e, gs in plan] == [("a#1", 2)] and s.busy("a#1")
+
+
+# ---- deterministic mode (rollout.deterministic) -----------------------------------------------------
+
+def test_deterministic_batches_take_the_oldest_groups_whatever_finished_first():
+    s = make(k=1, deterministic=True)
+    s.admit()
+    plan = s.plan_dispatch()                          # gids 0-1, 2-3 (step 1), 4-5, 6-7 (step 2)
+    finish(s, plan[2:])                               # step 2's groups finished first
+    assert s.select_batch(1) is None                  # the default mode would take 4-7 now (test above)
+    finish(s, plan[:1])
+    assert s.select_batch(1) is None                  # 2 and 3 are still running: the batch waits for them
+    finish(s, plan[1:2])
+    assert [g.gid for g in s.select_batch(1)] == [0, 1, 2, 3]
+
+
+def test_deterministic_dispatch_rotates_over_the_engines_whatever_their_load():
+    for det, want in ((False, ["a", "a"]), (True, ["a", "b"])):
+        s = make(k=1, deterministic=det, dispatch_groups=1, B=2)
+        s.admit()
+        plan = s.plan_dispatch()
+        assert [e for e, _ in plan] == ["a", "b", "a", "b"]
+        finish(s, [plan[0], plan[2]])                 # a is idle now, b still busy
+        s.set_version(1)
+        assert len(s.admit()) == 2
+        assert [e for e, _ in s.plan_dispatch()] == want   # least loaded (a, a) or the fixed rotation (a, b)
+
+
+def test_deterministic_filtering_draws_replacements_only_once_everything_has_settled():
+    s = make(k=0, B=2, engines=("a",), filter_groups=True, deterministic=True, dispatch_groups=1)
+    s.admit()
+    plan = s.plan_dispatch()
+    finish(s, plan[:1], rewards=(1.0, 1.0))           # gid 0 filtered while gid 1 still runs
+    assert not s.settled() and s.can_admit()         # the manager does not draw now (only when settled)
+    assert s.select_batch(1) is None
+    finish(s, plan[1:])
+    assert s.settled() and s.select_batch(1) is None and s.can_admit()   # too few live groups: draw one more
+    (g,) = s.admit()
+    assert g.gid == 2
+    finish(s, s.plan_dispatch())
+    batch = s.select_batch(1)
+    assert [g.gid for g in batch] == [1, 2]
+    assert s.take(batch) == 1                          # gid 0: filtered before the batch's newest group, so reported now
+
+
+def test_deterministic_filter_counts_do_not_depend_on_when_later_groups_were_scored():
+    s = make(k=1, B=2, engines=("a",), filter_groups=True, deterministic=True, dispatch_groups=1)
+    s.admit()
+    plan = s.plan_dispatch()                          # gids 0, 1 (step 1), 2, 3 (step 2)
+    finish(s, plan[3:], rewards=(1.0, 1.0))           # a step-2 group filtered before step 1's batch
+    finish(s, plan[:2])
+    assert s.take(s.select_batch(1)) == 0             # gid 3 is reported with the batch that passes it
+    finish(s, plan[2:3])
+    assert s.settled() and s.select_batch(2) is None  # one live group left: the manager draws one more
+    s.set_version(1)
+    s.admit()
+    finish(s, s.plan_dispatch())
+    batch = s.select_batch(2)
+    assert [g.gid for g in batch] == [2, 4] and s.take(batch) == 1
