@@ -18,6 +18,7 @@ import ray
 from actors.common import setup_process
 from rlhf_orch.engines import SamplingParams, engine_class
 from rlhf_orch.engines.base import streams_over
+from rlhf_orch.errors import EngineError
 from rlhf_orch.weight_sync import WeightReceiver
 from rlhf_orch.weight_sync.abort import AbortFlag
 
@@ -84,7 +85,6 @@ class RolloutActor:
             self._inside += 1
         try:
             if version is not None and self.engine.weight_version != version:
-                from rlhf_orch.errors import EngineError
                 raise EngineError(f"engine {self.name}: rollout.deterministic: a generate call dispatched for weight "
                                   f"version {version} reached the engine at version {self.engine.weight_version} (it "
                                   "arrived after a sync began), so this run would not be reproducible; please report it")
