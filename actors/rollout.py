@@ -40,7 +40,7 @@ class RolloutActor:
         self._max_admitted = -1  # the highest ticket past the sync gate
         self._calls_done = 0   # finished generate calls: with the engine's decode steps, the health check's progress
         self._concurrent = bool(getattr(self.engine, "concurrent_generate", False))
-        self.abort_flag = AbortFlag.create()   # the coordinator's abort_sync ends this engine's side of a sync at once
+        self.abort_flag: AbortFlag | None = None   # made at setup_receiver: the coordinator's abort_sync ends a sync
 
     def device_ids(self) -> list[str]:
         return self.engine.device_ids()
@@ -109,11 +109,14 @@ class RolloutActor:
         from rlhf_orch.weight_sync.replay import LoadReplay
         self.verify = verify
         self.close_receiver()   # a re-plan after an engine fault: leave the old broadcast group first
+        if self.abort_flag is None:
+            self.abort_flag = AbortFlag.create()   # its file goes once the receiving process mapped it (below)
         if hasattr(self.engine, "setup_receiver"):
             # Engines with their own worker processes (vLLM) run a receiver in every worker; those that declare
             # `aborts_syncs` map this actor's abort flag there (then the file is no longer needed).
             self.receiver = self.engine
             if not getattr(self.engine, "aborts_syncs", False):
+                self.abort_flag.unlink()   # its receivers do not read it
                 return self.engine.setup_receiver(layouts, group, rank, verify, timeout_s, replay)
             secs = self.engine.setup_receiver(layouts, group, rank, verify, timeout_s, replay,
                                               abort_flag=self.abort_flag.handle())
@@ -168,7 +171,8 @@ class RolloutActor:
     def abort_sync(self, sync_id: int) -> float:
         """The coordinator's word that sync `sync_id` failed elsewhere: this side's waits raise SyncAborted at once
         (weight_sync/abort.py), also if the sync has not reached this engine yet. The engine stays paused."""
-        self.abort_flag.abort(int(sync_id))
+        if self.abort_flag is not None:   # None: no receiver yet, so no sync to end
+            self.abort_flag.abort(int(sync_id))
         return time.time()
 
     def close_receiver(self) -> None:

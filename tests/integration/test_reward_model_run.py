@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
-from baselines import baseline  # noqa: E402
+from tests.baselines import baseline  # noqa: E402  (as tests.*: reward workers import this module by that name)
 
 pytestmark = pytest.mark.integration
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
