@@ -68,3 +68,9 @@ class AbortFlag:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def checker_for(flag: AbortFlag | None, sync_id: int, who: str):
+    """`flag.checker(sync_id, who)`, or None where nothing can abort the sync (no flag, or a sync numbered 0): the
+    waits then block as before."""
+    return flag.checker(sync_id, who) if flag is not None and sync_id else None

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from rlhf_orch.weight_sync.abort import AbortFlag
+from rlhf_orch.weight_sync.abort import AbortFlag, checker_for
 from rlhf_orch.weight_sync.buckets import BucketLayout, checksums, max_bucket_bytes, unpack
 from rlhf_orch.weight_sync.collective import BroadcastGroup
 from rlhf_orch.errors import WeightSyncError
@@ -94,9 +94,6 @@ class WeightReceiver:
         self.timeout_s = 300.0
         self.abort_flag: AbortFlag | None = None   # the owner (the engine's actor) aborts a sync through it
 
-    def _check(self, sync_id: int):
-        return self.abort_flag.checker(sync_id, "engine") if self.abort_flag is not None and sync_id else None
-
     def join_group(self, backend: str, host: str, port: int, rank: int, world_size: int,
                    timeout_s: float, local_host: str | None = None, expect_sums: bool = False) -> float:
         """Create this worker's end of the broadcast group and warm it up; returns seconds taken."""
@@ -140,7 +137,7 @@ class WeightReceiver:
         t0 = time.perf_counter()
         load_s = 0.0
         sums: list[int] = []
-        group, check = self.group, self._check(sync_id)
+        group, check = self.group, checker_for(self.abort_flag, sync_id, "engine")
         want = None
         work = nxt = None
 
@@ -213,7 +210,7 @@ class WeightReceiver:
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         box.reset_failure()
-        box.check = self._check(sync_id)
+        box.check = checker_for(self.abort_flag, sync_id, "engine")
         sums: list[int] = []
         load_s = wait_s = 0.0
         on_device, dev = False, None

@@ -44,7 +44,7 @@ import torch
 
 from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.types import dtype_from_name
-from rlhf_orch.weight_sync.abort import AbortFlag
+from rlhf_orch.weight_sync.abort import AbortFlag, checker_for
 from rlhf_orch.weight_sync.buckets import BucketLayout, _word_sum, checksums, max_bucket_bytes, slot_view
 from rlhf_orch.weight_sync.collective import BroadcastGroup
 from rlhf_orch.weight_sync.copysum import CopyPlan, PlanCache, Run, as_bytes
@@ -167,7 +167,7 @@ class WeightSender:
             raise
 
     def _send(self, named, version: int, deliver: Deliver | None, wait: Wait | None, sync_id: int) -> SendResult:
-        check = self.abort_flag.checker(sync_id, "trainer rank") if self.abort_flag is not None and sync_id else None
+        check = checker_for(self.abort_flag, sync_id, "trainer rank")
         called = [e for e in self.ipc_engines if e not in self.mailboxes]
         res = SendResult(engine_checksums={e: [] for e in called})
         t_start = time.perf_counter()
