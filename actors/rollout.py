@@ -185,9 +185,7 @@ class RolloutActor:
         return self.receiver.receive_ipc(handle, bucket_index, self.verify)
 
     def receive_broadcast(self, version: int, sync_id: int = 0):
-        if isinstance(self.receiver, WeightReceiver) or getattr(self.engine, "aborts_syncs", False):
-            return self.receiver.receive_broadcast(self.verify, sync_id)
-        return self.receiver.receive_broadcast(self.verify)   # SGLang's own receive (aborts at the group timeout)
+        return self.receiver.receive_broadcast(self.verify, sync_id)
 
     def rng_state(self):
         """None for engines whose sampling state cannot be saved (vLLM): their resume is not bit-exact."""

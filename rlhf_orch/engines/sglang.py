@@ -331,8 +331,9 @@ class SGLangEngine(ColocatedStream, EngineLifecycle):
                         rank_offset + self.tensor_parallel_size - 1, group["world_size"])
         return time.perf_counter() - t0
 
-    def receive_broadcast(self, verify: bool = True) -> tuple[list[int], dict[str, float]]:
-        """One update_weights_from_distributed call per bucket; returns (checksums, seconds per phase)."""
+    def receive_broadcast(self, verify: bool = True, sync_id: int = 0) -> tuple[list[int], dict[str, float]]:
+        """One update_weights_from_distributed call per bucket; returns (checksums, seconds per phase). `sync_id` is
+        not used: SGLang's own receive reads no abort flag (it ends at its group's timeout, or when rank 0 leaves)."""
         self._need_weights_awake("receive_broadcast")
         if not self._group:
             raise EngineError(f"engine {self.name}: receive_broadcast before setup_receiver with a group")
