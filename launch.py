@@ -24,13 +24,14 @@ import threading
 import time
 from pathlib import Path
 
+from rlhf_orch.cli import parse_run_args   # shared with `rlhf-orch`; argparse only, so --help stays instant
+
 logger = logging.getLogger("rlhf_orch.launch")
 
 
 def prepare(argv):
     """Everything that can fail on bad input, before Ray or any actor starts."""
     # The arguments first, with nothing heavy imported: `--help` and a usage error answer at once.
-    from rlhf_orch.cli import parse_run_args   # shared with `rlhf-orch` (its --help lists the config sections)
     args = parse_run_args(argv)
     from transformers import AutoTokenizer
     from rlhf_orch.config import load_config

@@ -6,6 +6,7 @@ Only checks: the sections themselves, their fields and single-field validators a
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -439,7 +440,6 @@ def rollout_problems(cfg: ExperimentConfig) -> list[str]:
         p.append("rollout.deterministic: which requests a sync aborts depends on timing; set rollout.running_requests: "
                  "wait (or remove it: auto picks wait when deterministic) or deterministic: false")
     if r.deterministic:
-        import math
         from rlhf_orch.config.schema import engine_names
         engines, B = len(engine_names(cfg)), cfg.data.prompts_per_step
         per_call = r.dispatch_groups or math.ceil(B / engines)
