@@ -178,9 +178,8 @@ class KLControlSection(_Section):
 
 
 class AlgorithmSection(_Section):
-    name: str = Field("grpo", description="Algorithm (rlhf_orch/algorithms/, one module each): grpo, rloo, "
-                      "reinforce_pp_baseline (verl's), reinforce_pp (group baselines, no critic), reinforce_pp_gamma "
-                      "(discounted returns, no critic) or ppo (a critic and GAE; see the critic section).")
+    name: str = Field("grpo", description="Algorithm (rlhf_orch/algorithms/): grpo, rloo, reinforce_pp_baseline (verl's), "
+                      "reinforce_pp, reinforce_pp_gamma (no critic) or ppo (a critic and GAE; see the critic section).")
     group_size: int = Field(8, ge=1, description="Samples per prompt (n).")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (low side).")
     clip_eps_high: float | None = Field(None, gt=0, description="Upper clip range (default: clip_eps).")
@@ -198,9 +197,8 @@ class AlgorithmSection(_Section):
                                  "entropy_coeff x the entropy, aggregated like the loss.")
     norm_adv_by_std: bool = Field(True, description="grpo only: divide by the group std (False: Dr.GRPO-style centring).")
     off_policy: Literal["auto", "none", "tis", "mis", "decoupled"] = Field("auto", description="Correction for samples "
-        "drawn from another policy (stale weights, kernel mismatch): none; tis (weights truncated at tis_cap); mis (tokens "
-        "outside [mis_low, mis_high] masked); decoupled (AReaL's decoupled PPO, mask above decoupled_cap); auto (default): "
-        "decoupled when rollout.max_staleness >= 1 (algorithms/off_policy.py says why), none at 0 (none with staleness warns).")
+        "from another policy: none; tis (weights truncated at tis_cap); mis (outside [mis_low, mis_high] masked); decoupled "
+        "(AReaL's, masked above decoupled_cap); auto (default): decoupled at max_staleness >= 1 (off_policy.py), else none.")
     tis_cap: float = Field(2.0, ge=1, description="tis: importance weights are truncated at this value.")
     mis_low: float = Field(0.5, ge=0, lt=1, description="mis: tokens with importance weight below this are masked.")
     mis_high: float = Field(2.0, gt=1, description="mis: tokens with importance weight above this are masked.")
@@ -359,13 +357,11 @@ class RolloutSection(_Section):
     partial_rollouts: bool = Field(False, description="At a weight sync, park running requests between decode steps "
                                    "and continue them with the new weights (their later tokens carry the new version). "
                                    "Needs max_staleness >= 1 and engines that can pause mid-request.")
-    running_requests: Literal["auto", "wait", "abort"] = Field("auto", description="Without partial rollouts: at a "
-        "weight sync, let running requests finish (wait) or stop them between two decode steps and re-queue them "
-        "(abort). auto (default, resolved when the config loads): abort when max_staleness >= 1 and every engine can "
-        "stop mid-request (hf, or vllm/sglang with streaming: true), else wait (config/checks.py says why).")
+    running_requests: Literal["auto", "wait", "abort"] = Field("auto", description="Without partial rollouts, at a sync: "
+        "wait (running requests finish) or abort (stopped between decode steps, re-queued); auto (default): abort at "
+        "max_staleness >= 1 where every engine can stop mid-request (hf, streaming vllm/sglang), else wait (checks.py).")
     deterministic: bool = Field(False, description="Make max_staleness >= 1 runs reproducible from experiment.seed "
-        "(rlhf_orch/rollout/scheduler.py says how). Costs throughput: no aborts or partial rollouts, and a slow group or "
-        "engine holds up the others.")
+        "(rollout/scheduler.py says how). Costs throughput: no aborts or partial rollouts; slow groups hold up others.")
     dispatch_groups: int = Field(0, ge=0, description="Prompt groups per generate call (0: prompts_per_step / number of "
                                  "engines, one call per engine per step).")
     filter_groups: bool = Field(False, description="Dynamic sampling: drop groups whose rewards are all equal (no GRPO "
