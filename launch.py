@@ -273,6 +273,7 @@ def main(argv=None) -> int:
 def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set) -> int:
     """The run with its automatic restarts from the latest checkpoint; writes summary.json; returns the exit code."""
     from rlhf_orch.errors import RLHFOrchError, RunStopped, is_actor_death
+    from actors.ray_session import stop_ray   # imports Ray (seconds): not at the top, so --help stays instant
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     _STOPPING.clear()   # a fresh run in this process (tests call main() more than once)
@@ -297,6 +298,7 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
                 logger.error("run failed (%s); restarting from the latest checkpoint (restart %d of %d)",
                              str(e).splitlines()[0], len(restarts), cfg.fault_tolerance.max_run_restarts)
                 cfg = cfg.model_copy(update={"resume": True})   # the dataset here was never drawn from: same order
+                stop_ray()
                 continue
             sys.stderr.write(f"error: {type(e).__name__}: {e}\nmetrics and checkpoints so far are in {run_dir}\n")
             summary.update(status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
@@ -305,9 +307,12 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
     summary["faults"] = faults + summary.get("faults", [])
     summary["run_restarts"] = restarts
     summary["wall_s"] = round(time.time() - t0, 1)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _write_summary(run_dir, summary)
-    logger.info("done: %s", json.dumps(summary))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_summary(run_dir, summary)
+        logger.info("done: %s", json.dumps(summary))
+    finally:
+        stop_ray()   # after summary.json: a SIGTERM while Ray stops its processes ends this driver at once
     return rc
 
 

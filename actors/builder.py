@@ -15,6 +15,7 @@ import ray
 from actors.colocation import Colocation
 from actors.common import actor_env, get
 from actors.placement import allocate
+from actors.ray_session import init_ray
 from actors.recovery import EngineRecovery
 from actors.roles import critic_kwargs, reference_kwargs, start_role_groups
 from actors.reward import start_reward_workers
@@ -31,34 +32,6 @@ from rlhf_orch.metrics.timeline import Timeline
 logger = logging.getLogger(__name__)
 
 
-def init_ray(cfg) -> bool:
-    """Join RAY_ADDRESS / ray.address if given, else start a local Ray. Returns True if we started it."""
-    if ray.is_initialized():
-        return False
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return False
-    # A Ray this driver starts is single-node: keep it and the gloo groups on loopback (Ray otherwise
-    # binds the machine's routable address). Joining a cluster (above) leaves the environment alone.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
-        # Ray reads the variable once, when `ray` is imported (ray_constants.ENABLE_RAY_CLUSTER), which was before
-        # this function: without this line the driver picks the routable IP and GCS, raylet and every worker listen
-        # on all interfaces (tests/integration/test_loopback.py). The children read the variable set above.
-        from ray._private import ray_constants
-        ray_constants.ENABLE_RAY_CLUSTER = False
-    # Workers of a local Ray must import this checkout even when it is not pip-installed.
-    root = str(Path(__file__).resolve().parent.parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    # address="local": always a new instance; a cluster left running by `ray start` is joined only when named.
-    ray.init(address="local", num_cpus=cfg.ray.num_cpus, log_to_driver=True)
-    from actors.watchdog import start_watchdog
-    start_watchdog()   # a SIGKILLed driver must not leave this Ray running (see actors/watchdog.py)
-    return True
-
-
 def engine_env(env: dict, ecfg) -> dict:
     """An engine's own environment: `python_path` (SGLang's separate install, say) goes first on PYTHONPATH."""
     extra = getattr(ecfg, "python_path", None)
@@ -73,7 +46,7 @@ class Cluster(EngineRecovery):
         """Everything up and the sync plan made; on any failure, what was started is torn down first."""
         self = cls()
         self.cfg, self.run_dir, self.timeout = cfg, Path(run_dir), cfg.ray.get_timeout_s
-        self.placement, self.sinks, self.started_ray = None, None, False
+        self.placement, self.sinks = None, None
         self.trainers, self.coordinator, self.engines, self.rewarders = None, None, {}, []
         self.coordinator_restarts = 0       # weight-sync coordinators replaced in place (actors/recovery.py)
         self.references = self.critics = None   # separate role groups (actors/roles.py), when configured
@@ -103,7 +76,7 @@ class Cluster(EngineRecovery):
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-        self.started_ray = init_ray(cfg)
+        init_ray(cfg)   # or join the cluster / the Ray already up; launch.py stops a Ray started here
         if any(e.kind == "sglang" for e in cfg.engines):
             # SGLang turns NCCL's cuMem allocator off in its processes (engine.py:1583); a trainer-side end of
             # the same communicator with it on fails its first broadcast ("unhandled cuda error").
@@ -459,9 +432,15 @@ class Cluster(EngineRecovery):
             plot_staleness(records, self.run_dir / "plots" / "staleness.png")
 
     def close(self, records: list[dict], rollout_state: dict | None) -> None:
-        """Always runs: final checkpoint if the trainers are alive, plots, sinks closed, Ray shut down.
+        """Always runs: final checkpoint if the trainers are alive, plots, sinks closed, placement released.
         `rollout_state` is the manager's state after the last completed step (what a resume needs); None writes no
         final checkpoint (launch.run: the trainers may already hold a later, unfinished step)."""
+        if self._overlapped is not None:   # a transfer under way ends before its members are shut down
+            self._overlapped = None
+            try:
+                get(self.coordinator.finish.remote(), self.sync_timeout, "the last weight sync", WeightSyncError)
+            except Exception as e:
+                logger.warning("the last weight sync did not finish: %s", str(e).splitlines()[0])
         try:
             if records and self.colocation is not None:
                 self.colocation.to_train()   # a run failing mid-generate: give the trainer its GPU back first
@@ -491,5 +470,4 @@ class Cluster(EngineRecovery):
                 self.placement.release()
         except Exception:
             pass
-        if self.started_ray:
-            ray.shutdown()
+        # Ray itself stays up: launch.py writes summary.json first, then calls stop_ray (see actors/ray_session.py).

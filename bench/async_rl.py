@@ -207,6 +207,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=os.environ.get("RLHF_ORCH_LOG_LEVEL", "WARNING"))
     import launch
     from actors.builder import Cluster
+    from actors.ray_session import stop_ray
     from rlhf_orch.config import load_config
     from rlhf_orch.data import PromptDataset, load_rows
     from transformers import AutoTokenizer
@@ -251,6 +252,7 @@ def main(argv=None) -> int:
         (out / "async_rl.json").write_text(json.dumps(per_mode, indent=1))
     finally:
         cluster.close([], None)
+        stop_ray()
         if args.copy_to:   # the device machine returns only what is under $OUT
             import shutil
             run = out / "async_rl"

@@ -1,6 +1,7 @@
 """`shared_ray`: one local Ray for every run of a test module, which each run joins as it joins a cluster.
 
-A run that finds Ray already initialised uses it and leaves it up (actors/builder.init_ray returns False), the path
+A run that finds Ray already initialised uses it and leaves it up (actors/ray_session.init_ray returns False, and
+its stop_ray leaves it alone), the path
 of `ray.address` / RAY_ADDRESS on a cluster. Starting and stopping a local Ray costs ~6 s per run on the 2-core CI
 machine, and the modules that use this fixture make 2-11 runs each. Every run still starts its own actors and
 placement group and removes them at its end (a left-over named actor would fail the next run of the module).
@@ -17,7 +18,7 @@ import pytest
 @pytest.fixture(scope="module")
 def shared_ray():
     import ray
-    from actors.builder import init_ray
-    init_ray(SimpleNamespace(ray=SimpleNamespace(address=None, num_cpus=2)))   # what `ray.num_cpus=2` runs start
+    from actors.ray_session import init_ray
+    init_ray(SimpleNamespace(ray=SimpleNamespace(address=None, num_cpus=2)), shared=True)   # what `ray.num_cpus=2` runs start
     yield
     ray.shutdown()

@@ -59,7 +59,7 @@ def run(tmp_path_factory):
     import ray
     out, port = tmp_path_factory.mktemp("dash"), _free_port()
     saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), saved]))   # as actors/builder.init_ray does
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), saved]))   # as actors/ray_session.init_ray does
     ray.init(address="local", num_cpus=2, include_dashboard=False, _metrics_export_port=port)
     try:
         rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.steps={STEPS}",
