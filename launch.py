@@ -88,11 +88,13 @@ def rl_step(cluster, cfg, step: int) -> tuple[dict, dict]:
             # it (run() then writes no final checkpoint; a SIGTERM waits for the step's end, see _on_sigterm).
             _IN_STEP.append(step)
             train = cluster.train(meta, shards)
-        with timer.phase("sync"):
-            sync_metrics = cluster.sync(step)
+        with timer.phase("sync"):           # weight_sync.overlap: only staging here, the transfer runs under the next step
+            sync_metrics = cluster.sync_step(step)
     m = {**meta["metrics"], **train, **sync_metrics, **coloc, **timer.metrics()}
-    # The trainer's idle time: waiting for the batch, then for the sync beyond its own packing (pauses, transfers).
-    m["perf/trainer_idle_s"] = m["perf/generate_s"] + max(0.0, m["perf/sync_s"] - m.get("sync/pack_s", 0.0))
+    # The trainer's idle time: waiting for the batch, then for the sync beyond its own packing or staging (pauses,
+    # transfers; overlapped: what the train step did not hide of the previous sync).
+    own = m.get("sync/stage_s", 0.0) if m.get("sync/overlapped") else m.get("sync/pack_s", 0.0)
+    m["perf/trainer_idle_s"] = m["perf/generate_s"] + max(0.0, m["perf/sync_s"] - own)
     m["perf/trainer_idle_frac"] = m["perf/trainer_idle_s"] / max(m["perf/step_s"], 1e-9)
     m["rollout/logprob_diff_mean"] = train["train/logprob_diff_sum"] / max(train["train/tokens"], 1.0)
     m["rollout/logprob_diff_max"] = train["train/logprob_diff_max"]
@@ -184,18 +186,20 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
             finally:
                 sinks.write(step, m)        # also when the evaluation failed: the step itself completed
             bar.set_postfix(reward=f"{m['rollout/reward_mean']:.3f}", kl=f"{m.get('train/kl', 0.0):.4f}",
-                            step_s=f"{m['perf/step_s']:.2f}", sync_s=f"{m['sync/total_s']:.3f}")
+                            step_s=f"{m['perf/step_s']:.2f}", sync_s=f"{m['perf/sync_s']:.3f}")
             if cfg.experiment.log_samples_every and step % cfg.experiment.log_samples_every == 0:
                 prompt, response, reward = meta["example"]
                 logger.info("step %d sample: %r -> %r (reward %.2f)", step, prompt, response, reward)
             if policy.due(step) and step < last:   # the last step's checkpoint is written by close()
                 save_checkpoint(cluster, step, rollout_state)
                 policy.mark_done()
+        tail = cluster.overlap.last()   # the last step's sync, if it overlapped (its step's record is written)
         summary.update(reward_summary([r["rollout/reward_mean"] for r in records]))
         # A checksum mismatch raises, so a finished run has verified every sync unless weight_sync.verify is off.
         # Step syncs of the whole run (records span earlier segments after a resume) plus this start's initial one.
         syncs += len(records)
-        verified += sum(int(r.get("sync/checksum_ok") == 1.0) for r in records)
+        # With weight_sync.overlap a step's record holds the previous step's sync; the last one is `tail`.
+        verified += sum(int(r.get("sync/checksum_ok") == 1.0) for r in records + [tail])
         summary.update(syncs=syncs, verified_syncs=verified, transports=cluster.plan)
         return summary
     finally:

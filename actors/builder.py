@@ -14,6 +14,7 @@ import ray
 
 from actors.colocation import Colocation
 from actors.common import actor_env, get
+from actors.overlap import OverlappedSync
 from actors.placement import allocate
 from actors.ray_session import init_ray
 from actors.recovery import EngineRecovery
@@ -61,6 +62,8 @@ class Cluster(EngineRecovery):
         self.timeline = Timeline()
         r = cfg.rollout
         self.pause_mode = "keep" if r.partial_rollouts else r.running_requests
+        self.max_staleness = r.max_staleness   # of the steps being served (a benchmark changes it per segment)
+        self.overlap = OverlappedSync(self)    # weight_sync.overlap (actors/overlap.py)
         self.colocation: Colocation | None = None
         self.history: list[dict] = []
         self.resume_from: tuple[str, dict, dict] | None = None   # (tag, rl_state, tensors) when resuming
@@ -193,6 +196,7 @@ class Cluster(EngineRecovery):
             self._rget(self.rollouts.restore_data.remote(resumed["data"]), "rollout manager")
         if "max_staleness" in overrides or "partial_rollouts" in overrides:   # as config/checks.py resolves "auto"
             r, stale = self.cfg.rollout, overrides.get("max_staleness", self.cfg.rollout.max_staleness)
+            self.max_staleness = stale
             auto = "abort" if stale >= 1 and not r.deterministic and not engines_that_cannot_stop(self.cfg) else "wait"
             self.pause_mode = ("keep" if overrides.pop("partial_rollouts", False) else
                                r.running_requests if "running_requests" in r.model_fields_set else auto)
@@ -205,8 +209,9 @@ class Cluster(EngineRecovery):
         engine died meanwhile, replacements get the trainer's weights (still version step-1) and the wait goes on."""
         while True:
             self.admit_ready()                # replacements verified since the last batch, now awake
-            meta, refs = self._rget(self.rollouts.next_batch.remote(step, self.timeout), f"the batch of step {step}",
-                                    self.timeout + 30)
+            ref = self.rollouts.next_batch.remote(step, self.timeout)
+            self.overlap.wait_for(ref)        # a failed overlapped sync holds its engines paused: recover it now
+            meta, refs = self._rget(ref, f"the batch of step {step}", self.timeout + 30)
             if "need_engines" not in meta:
                 break
             logger.warning("no live engine for step %d (dead: %s): replacing now", step, meta["need_engines"])
@@ -256,6 +261,7 @@ class Cluster(EngineRecovery):
         (actors/evaluation.py). Colocated engines get their GPU first (the next step's hand-over, done early; with
         max_staleness 0 the manager generates nothing until the next step asks for its batch)."""
         from actors.evaluation import run_eval
+        self.overlap.finish_early()   # the engines must hold version `step` (weight_sync.overlap)
         self._eval_handover.update(self.to_generate(step))
         with self.timeline.span("driver", "eval", step=step):
             return run_eval(self, eval_set, step)
@@ -274,6 +280,7 @@ class Cluster(EngineRecovery):
         """Push the trainer's weights into every engine as `version` (in the train phase). Dead engines are
         replaced first (the replacements' first sync is this one, verified like every other); an engine that
         dies during the sync is found, replaced, and the sync is done again once."""
+        self.overlap.finish_early()   # an overlapped one first (a re-sync for replacements may come during one)
         self.replace_dead_engines()
         try:
             wake = self.colocation.wake_weights()
@@ -294,9 +301,13 @@ class Cluster(EngineRecovery):
         return {**out, **wake, **recovered, **coloc, "fault/engines_live": float(len(self.engines)),
                 "fault/engine_restarts": float(self.engine_restarts)}
 
-    def _sync_once(self, version: int, resync: bool) -> dict:
-        return get(self.coordinator.sync.remote(version, self.pause_mode, resync), self.sync_timeout,
+    def _sync_once(self, version: int, resync: bool, staged: bool = False) -> dict:
+        return get(self.coordinator.sync.remote(version, self.pause_mode, resync, staged), self.sync_timeout,
                    f"weight sync v{version}", WeightSyncError)
+
+    def sync_step(self, version: int) -> dict:
+        """The sync after step `version`'s update: whole, or overlapping the next step (actors/overlap.py)."""
+        return self.overlap.step(version) if self.overlap.wanted() else self.sync(version)
 
     def checkpoint(self, step: int, rollout_state: dict) -> None:
         """DeepSpeed state of every rank, the RL state (step, version, data cursor, engine RNGs) and an HF export,
@@ -435,12 +446,7 @@ class Cluster(EngineRecovery):
         """Always runs: final checkpoint if the trainers are alive, plots, sinks closed, placement released.
         `rollout_state` is the manager's state after the last completed step (what a resume needs); None writes no
         final checkpoint (launch.run: the trainers may already hold a later, unfinished step)."""
-        if self._overlapped is not None:   # a transfer under way ends before its members are shut down
-            self._overlapped = None
-            try:
-                get(self.coordinator.finish.remote(), self.sync_timeout, "the last weight sync", WeightSyncError)
-            except Exception as e:
-                logger.warning("the last weight sync did not finish: %s", str(e).splitlines()[0])
+        self.overlap.abandon()   # a transfer under way ends before its members are shut down
         try:
             if records and self.colocation is not None:
                 self.colocation.to_train()   # a run failing mid-generate: give the trainer its GPU back first

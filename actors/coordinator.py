@@ -14,6 +14,9 @@ device hand each bucket's IPC handle to their engines) while broadcast engines r
 engine's checksums with its sender's here -> record the version -> resume. Both kinds in one sync are compared
 here as well. Only metadata passes through this actor: handles, checksums and timings, never tensor data.
 
+With weight_sync.overlap, `begin` has the trainer ranks stage a copy of their weights, then runs the same sync from
+that copy on a thread of this actor while the trainers train the next step; `finish` returns its metrics or error.
+
 When one member of a sync fails (its process died, or its side raised), every other member is told at once
 (`abort_sync`: weight_sync/abort.py) and abandons the sync within milliseconds instead of waiting for the sync
 deadline, which grows with the model. The error raised carries `abort`, a record of who failed, when, and when each
@@ -22,6 +25,7 @@ survivor let go; the engines stay paused until a verified sync (the driver repla
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import ray
@@ -55,6 +59,7 @@ class WeightSyncCoordinator:
         # number ever aborted, and a new coordinator counting from 1 would find its first syncs aborted.
         self.sync_id = int(time.time() * 1000)
         self.abort_grace_s = 30.0          # how long aborted survivors get to let go (they take milliseconds)
+        self._background: tuple | None = None   # (thread, its result, version) of a sync `begin` started
 
     def _get(self, refs, what):
         return get(refs, self.timeout_s, what, WeightSyncError)
@@ -167,10 +172,11 @@ class WeightSyncCoordinator:
         self.engines = dict(engines)
         return self.setup()
 
-    def sync(self, version: int, pause_mode: str = "wait", resync: bool = False) -> dict:
+    def sync(self, version: int, pause_mode: str = "wait", resync: bool = False, staged: bool = False) -> dict:
         """One full sync to `version`; returns flat `sync/` metrics. Raises WeightSyncError on mismatch.
         `pause_mode` is how engines treat running requests (engines/base.py): "keep" for partial rollouts.
-        `resync`: the same version again (replacement engines while the trainer has not stepped)."""
+        `resync`: the same version again (replacement engines while the trainer has not stepped). `staged`: the
+        trainer ranks send the copy `begin` staged, not their live weights (which may be a step further)."""
         if version < self.version or (version == self.version and not resync):
             raise WeightSyncError(f"sync version {version} is not newer than {self.version}")
         t0 = time.perf_counter()
@@ -179,13 +185,62 @@ class WeightSyncCoordinator:
         # On failure the engines stay paused: one may hold part of this version. The driver replaces a dead member
         # and syncs again (which resumes them), or restarts the run.
         self._get([self.engines[n].pause.remote(pause_mode) for n in stepwise], f"engines to pause ({pause_mode})")
-        return self._sync(version, names, stepwise, pause_mode, t0)
+        return self._sync(version, names, stepwise, pause_mode, t0, staged)
 
-    def _sync(self, version: int, names: list[str], stepwise: list[str], pause_mode: str, t0: float) -> dict:
+    # ---- weight_sync.overlap: the transfer runs while the trainer trains the next step ----------------------
+    def begin(self, version: int, pause_mode: str = "wait") -> dict:
+        """Stage `version` on every trainer rank (a copy in the sync's dtypes), then sync it from there on a thread
+        of this actor's own, and return: the trainers are free to train the next step while the engines take the
+        weights. `finish` returns that sync's metrics, or raises its error (the staged copy stays for a resync)."""
+        if self._background is not None:
+            raise WeightSyncError(f"weight sync v{version}: begun before v{self._background[2]} finished")
+        t0 = time.perf_counter()
+        staged = self._get([t.stage_weights.remote(version) for t in self.trainers], "trainer ranks to stage weights")
+        out: dict = {}
+
+        def transfer():
+            try:
+                out["metrics"] = self.sync(version, pause_mode, staged=True)
+            except BaseException as e:   # handed to finish(), which raises it in the driver's call
+                out["error"] = e
+
+        thread = threading.Thread(target=transfer, name=f"weight-sync-v{version}", daemon=True)
+        thread.start()
+        self._background = (thread, out, version)
+        return {"sync/stage_s": time.perf_counter() - t0, "sync/stage_gb": max(s["stage_gb"] for s in staged)}
+
+    def poll(self) -> str:
+        """"none", "running", "done" or "failed": the driver checks while it waits for a batch, so a failed overlapped
+        sync is recovered at once (its engines stay paused, and the batch may need them)."""
+        if self._background is None:
+            return "none"
+        thread, out, _ = self._background
+        return "running" if thread.is_alive() else ("failed" if "error" in out else "done")
+
+    def finish(self) -> dict:
+        """Wait for the sync `begin` started; its metrics, with `sync/finish_wait_s` (how long this call waited for
+        it: the part of the transfer the next train step did not hide). {} when none is under way."""
+        if self._background is None:
+            return {}
+        thread, out, version = self._background
+        t0 = time.perf_counter()
+        thread.join(self.timeout_s + self.abort_grace_s)
+        if thread.is_alive():
+            raise WeightSyncError(f"weight sync v{version}: still under way after {self.timeout_s:.0f}s (weight_sync."
+                                  "timeout_s)")
+        self._background = None
+        if "error" in out:
+            raise out["error"]
+        return {**out["metrics"], "sync/finish_wait_s": time.perf_counter() - t0}
+
+    def _sync(self, version: int, names: list[str], stepwise: list[str], pause_mode: str, t0: float,
+              staged: bool = False) -> dict:
         t_pause = time.perf_counter()
         self.sync_id += 1
         routes = self.plan.routes
-        calls = {f"trainer rank {r}": (t, t.send_weights.remote(version, self.sync_id)) for r, t in enumerate(self.trainers)}
+        send = "send_staged" if staged else "send_weights"
+        calls = {f"trainer rank {r}": (t, getattr(t, send).remote(version, self.sync_id))
+                 for r, t in enumerate(self.trainers)}
         one_call = [n for n in names if n in self.streaming]
         bcast = [n for n in self.plan.broadcast_engines if n not in self.streaming]
         for n in one_call:

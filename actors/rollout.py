@@ -38,6 +38,7 @@ class RolloutActor:
         self._inside = 0   # generate calls inside the engine
         self._next_ticket = 0    # rollout.deterministic: the dispatch number of the next call to serve
         self._max_admitted = -1  # the highest ticket past the sync gate
+        self._awaiting = 0     # generate calls waiting for the weights they were dispatched under (a sync under way)
         self._calls_done = 0   # finished generate calls: with the engine's decode steps, the health check's progress
         self._concurrent = bool(getattr(self.engine, "concurrent_generate", False))
         self.abort_flag: AbortFlag | None = None   # made at setup_receiver: the coordinator's abort_sync ends a sync
@@ -54,7 +55,7 @@ class RolloutActor:
         import os
         asleep = getattr(self.engine, "is_asleep", lambda: False)()
         return {"pid": os.getpid(), "progress": self._calls_done + int(getattr(self.engine, "progress_steps", 0)),
-                "paused": self._syncing or asleep, "syncing": self._syncing,
+                "paused": self._syncing or asleep or self._awaiting > 0, "syncing": self._syncing,
                 "reports_steps": bool(getattr(self.engine, "reports_decode_steps", False))}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, ticket: int | None = None,
@@ -62,9 +63,19 @@ class RolloutActor:
         """Samples and timing of one call. Calls arriving during a sync wait for its end. `ticket` (the manager's
         dispatch number for this engine, rollout.deterministic) makes calls enter in dispatch order, and a ticketed
         call counts for a "wait" pause from its arrival, queued or not: a sync then waits for every call dispatched
-        before it, so each runs with the weights it was dispatched under. `version`: those weights; a call that finds
-        others (it reached the engine after the sync began) fails rather than silently make the run irreproducible."""
+        before it, so each runs with the weights it was dispatched under. `version`: those weights, at least; a call
+        that arrives before them (their sync overlaps the next train step, weight_sync.overlap) waits for them. A
+        ticketed call that finds newer ones (it reached the engine after the sync began) fails rather than silently
+        make the run irreproducible."""
         with self._gate:
+            # Dispatched for weights still on their way (weight_sync.overlap: the manager counts a sync from its
+            # start): wait for them, as a paused engine (health), before counting for any pause.
+            self._awaiting += 1
+            try:
+                while version is not None and self.engine.weight_version < version:
+                    self._gate.wait()
+            finally:
+                self._awaiting -= 1
             if ticket is None:
                 while self._syncing or (self._inside and not self._concurrent):
                     self._gate.wait()
@@ -84,7 +95,7 @@ class RolloutActor:
                 self._active += 1
             self._inside += 1
         try:
-            if version is not None and self.engine.weight_version != version:
+            if ticket is not None and version is not None and self.engine.weight_version != version:
                 raise EngineError(f"engine {self.name}: rollout.deterministic: a generate call dispatched for weight "
                                   f"version {version} reached the engine at version {self.engine.weight_version} (it "
                                   "arrived after a sync began), so this run would not be reproducible; please report it")

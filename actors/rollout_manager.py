@@ -210,11 +210,13 @@ class RolloutManager:
         for engine, groups in self.sched.plan_dispatch():
             for g in groups:
                 g.dispatched_at = now
-            ticket = version = None
+            # The engines wait for (at least) the version the groups are admitted under: with weight_sync.overlap
+            # its sync may still be under way, and a group must never run on older weights than its admission.
+            ticket, version = None, self.sched.version
             if det:
                 ticket = self._tickets.get(engine, 0)
                 self._tickets[engine] = ticket + 1
-                # Outside next_batch (a fault's re-queue) the engines may be past sched.version: no check then.
+                # Outside next_batch (a fault's re-queue) the engines may be past sched.version: no exact check then.
                 version = self.sched.version if self._in_window else None
             self._spawn(self._generate(engine, groups, ticket, version))
 
@@ -232,8 +234,7 @@ class RolloutManager:
         try:
             prompts = [g.prompt.token_ids for g in groups]
             call = self.engines[engine].generate
-            samples, stats = await (call.remote(prompts, self._params(engine, groups)) if ticket is None else
-                                    call.remote(prompts, self._params(engine, groups), ticket, version))
+            samples, stats = await call.remote(prompts, self._params(engine, groups), ticket, version)
         except Exception as e:
             if engine not in self.engines:   # declared dead already (a health check): its groups were re-queued
                 return

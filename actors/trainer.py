@@ -22,7 +22,8 @@ from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
 
 
-@ray.remote(concurrency_groups={"control": 1})   # health and abort_sync answer while a call runs
+# health and abort_sync answer while a call runs; "sync" sends staged weights while the next step trains
+@ray.remote(concurrency_groups={"control": 1, "sync": 1})
 class TrainerActor:
     def __init__(self, rank: int, world_size: int, device: str, device_id: str):
         setup_process(device)
@@ -30,6 +31,7 @@ class TrainerActor:
         self._device_id = device_id
         self.trainer = None
         self.sender = None
+        self._kept_stage: tuple[list, int | None] = ([], None)   # a closed sender's staged weights (weight_sync.overlap)
         self.engines = {}
         self.timeout_s = 300.0
         self.abort_flag = AbortFlag.create()   # the coordinator's abort_sync ends this rank's side of a sync at once
@@ -183,6 +185,8 @@ class TrainerActor:
         self.sender = WeightSender(layouts, self.trainer.device, list(ipc_engines), bgroup, verify,
                                    bcast_sums=bool(group and group.get("sums")), timeout_s=timeout_s,
                                    abort_flag=self.abort_flag)
+        # weight_sync.overlap: a failed sync is sent again from its staged copy, which outlives the old sender
+        self.sender.adopt_stage(*self._kept_stage)
         return self.sender.buffer_handles()
 
     @ray.method(concurrency_group="control")
@@ -197,19 +201,40 @@ class TrainerActor:
         self.sender.attach_mailbox(engine, handle)
 
     def close_sender(self) -> None:
-        if getattr(self, "sender", None) is not None and self.sender.group is not None:
-            self.sender.group.destroy()
+        if getattr(self, "sender", None) is not None:
+            self._kept_stage = self.sender.kept_stage()
+            if self.sender.group is not None:
+                self.sender.group.destroy()
         self.sender = None
 
     def send_weights(self, version: int, sync_id: int = 0):
+        return self._send(self.trainer.iter_named_tensors(self._gather_groups()), version, sync_id)
+
+    def stage_weights(self, version: int) -> dict:
+        """Copy this rank's weights into the sender's staging buffer (weight_sync.overlap): `send_staged` then
+        transfers them while this rank trains the next step. Every rank together (ZeRO-3 gathers)."""
+        return self.sender.stage(self.trainer.iter_named_tensors(self._gather_groups()), version)
+
+    @ray.method(concurrency_group="sync")
+    def send_staged(self, version: int, sync_id: int = 0):
+        """Send the staged weights (of `version`) on a thread of their own: train_step runs meanwhile on the actor's
+        default thread. The buffers it reads are the sender's, which no train step touches."""
+        if self.sender.staged_version != version:
+            raise TrainerError(f"trainer rank {self.rank}: staged weights are version {self.sender.staged_version}, "
+                               f"not {version}")
+        return self._send(self.sender.staged(), version, sync_id)
+
+    def _gather_groups(self) -> list[list[str]]:
+        return [layout.names for layout in self.sender.layouts]   # ZeRO-3 gathers one bucket at a time
+
+    def _send(self, named, version: int, sync_id: int):
         def deliver(engine, handle, index, v):
             return self.engines[engine].receive_ipc.remote(handle, index, v)
 
         def wait(ref):
             return get(ref, self.timeout_s, "an engine loading an ipc bucket", TrainerError)
 
-        groups = [layout.names for layout in self.sender.layouts]   # ZeRO-3 gathers one bucket at a time
-        return self.sender.send(self.trainer.iter_named_tensors(groups), version, deliver, wait, sync_id)
+        return self.sender.send(named, version, deliver, wait, sync_id)
 
     def shutdown(self) -> None:
         """Leave the process groups in order, so no rank dies on a store whose host already exited."""

@@ -115,9 +115,15 @@ def analyze(cluster, mode: str, recs: list[dict], windows: list[tuple[float, flo
     tl = Timeline(0.0)
     tl.extend(cluster.timeline.events)
     engines = sorted({e["actor"] for e in cluster.timeline.events if e["actor"].startswith("engine:")})
-    syncs = {e["version"]: (e["start"], e["end"]) for e in cluster.timeline.events if e["actor"] == "weight-sync"}
-    crit, total = 0.0, 0.0
-    for a, b in zip(recs, recs[1:]):   # sync of step a vs the moment step b's batch was ready
+    syncs = {e["version"]: (e["start"], e["end"]) for e in cluster.timeline.events
+             if e["actor"] == "weight-sync" and "version" in e}
+    crit, total, share = 0.0, 0.0, None
+    overlapped = [r for r in recs if r.get("sync/overlapped")]
+    if overlapped:   # weight_sync.overlap: the trainer's sync phase (staging, waiting for the previous transfer) is
+        crit = sum(r["perf/sync_s"] for r in overlapped)   # all it waited; the transfers ran under its next steps
+        total = sum(syncs[r["step"]][1] - syncs[r["step"]][0] for r in overlapped if r["step"] in syncs)
+        share = sum(r.get("sync/finish_wait_s", 0.0) for r in overlapped) / total if total else float("nan")
+    for a, b in zip(recs, recs[1:]) if not overlapped else ():   # sync of step a vs when step b's batch was ready
         s0, s1 = syncs[a["step"]]
         if b["perf/batch_dispatch_t"] >= s1:   # step b's groups needed this sync (max_staleness 0): all of it waits
             crit += s1 - s0
@@ -134,7 +140,8 @@ def analyze(cluster, mode: str, recs: list[dict], windows: list[tuple[float, flo
             "engine_busy_s": statistics.mean(tl.busy_fraction(e, t0, t1) for e in engines) * wall if engines else 0.0,
             "unhidden_sync_s": crit / len(recs),
             "engine_busy": statistics.mean(tl.busy_fraction(e, t0, t1) for e in engines) if engines else 0.0,
-            "sync_critical_share": crit / total if total else float("nan"),
+            # the part of the transfers the trainer waited for (overlapped: only the wait for the previous one)
+            "sync_critical_share": share if share is not None else crit / total if total else float("nan"),
             "generate_s": med("perf/generate_s"), "train_s": med("perf/train_s"), "sync_s": med("perf/sync_s"),
             "step_s": med("perf/step_s"), "lag1_frac": sum(r.get("staleness/lag_1", 0.0) for r in recs) / sum(r["rollout/tokens"] for r in recs),
             "spanning_frac": statistics.mean(r["staleness/spanning_frac"] for r in recs)}
@@ -239,7 +246,7 @@ def main(argv=None) -> int:
                     cluster.sinks.write(s, {**m, "bench/mode": float(list(MODES).index(mode))})
                     print(f"seg {seg} {mode:4s} step {s}: {m['perf/step_s']:.2f}s (wait {m['perf/generate_s']:.2f} "
                           f"train {m['perf/train_s']:.2f} sync {m['perf/sync_s']:.3f}, engines paused "
-                          f"{m['sync/pause_s']:.3f} of it) tokens {m['rollout/tokens']:.0f} "
+                          f"{m.get('sync/pause_s', float('nan')):.3f} of it) tokens {m['rollout/tokens']:.0f} "
                           f"lag1 {m.get('staleness/lag_1', 0):.0f} spanning {m['staleness/spanning_frac']:.2f}", flush=True)
                 step += n
                 per_mode[mode].append(analyze(cluster, mode, recs[args.warmup:], windows[args.warmup:]))

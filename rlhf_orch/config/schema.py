@@ -374,13 +374,14 @@ class WeightSyncSection(_Section):
     transport: Literal["auto", "ipc", "broadcast"] = Field("auto", description="auto: ipc for engines on trainer devices, broadcast otherwise.")
     bucket_size_mb: float = Field(256, gt=0, description="Flattened bucket size in MiB.")
     verify: bool = Field(True, description="Compare trainer and engine checksums after every sync; a mismatch fails the step.")
-    timeout_s: float | None = Field(None, gt=0, description="Deadline of one sync, of group creation and of every "
-                                    "broadcast collective (default: 60 s + 10 s per GB of weights, i.e. a sync slower "
-                                    "than 0.1 GB/s is a hang).")
+    timeout_s: float | None = Field(None, gt=0, description="Deadline of a sync, group creation and every broadcast "
+                                    "(default: 60 s + 10 s per GB of weights: slower than 0.1 GB/s is a hang).")
     mismatch_alarm: float | None = Field(None, gt=0, description="Fail if max |engine - trainer| logprob after a sync exceeds this.")
-    replay_loads: bool = Field(True, description="Engines record, at the first sync, where their loader copies each "
-                               "received tensor, then redo those copies in one fused copy-and-checksum pass per bucket "
-                               "(weight_sync/replay.py); false runs the engine's load_weights at every sync.")
+    replay_loads: bool = Field(True, description="Engines redo the copies their loader made at the first sync in one "
+                               "fused copy-and-checksum pass per bucket (weight_sync/replay.py); false: load_weights.")
+    overlap: bool | Literal["auto"] = Field("auto", description="Trainers stage a copy of their weights (memory: one "
+                                            "synced copy) and train on while it goes to the engines. auto: at "
+                                            "max_staleness >= 1 when no GPU hand-over is due.")
 
 
 class FaultToleranceSection(_Section):

@@ -1,4 +1,5 @@
-"""Trainer side of a sync: pack named tensors into a ring of bucket buffers and send each one.
+"""Trainer side of a sync: pack named tensors into a ring of bucket buffers and send each one; or first stage a
+copy of them, so the transfer can overlap the next train step (`stage`, weight_sync.overlap).
 
 The named-tensor iterator must keep each bucket's tensors valid until the first tensor of the next
 bucket is requested (`DeepSpeedTrainer.iter_named_tensors(groups)` gathers ZeRO-3 partitions bucket
@@ -90,6 +91,8 @@ class WeightSender:
         self._bufs: list[tuple[str, torch.Tensor]] = []
         self._handles = []
         self._pending: list[list] = []
+        self._stage: list[tuple[str, torch.Tensor]] = []   # `stage`'s copy of the weights (allocated once)
+        self.staged_version: int | None = None
         if self.active:
             n = max_bucket_bytes(self.layouts)
             self._bufs = [allocate_shared(n, device) for _ in range(SLOTS)]
@@ -149,6 +152,55 @@ class WeightSender:
             self.group.synchronize(check)
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def stage(self, named: Iterator[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """Copy the weights, in the sync's dtypes, into a staging buffer of this sender's own (allocated at the first
+        stage, reused after): `send(self.staged(), ...)` then transfers version `version` while the trainer already
+        trains the next step (weight_sync.overlap). Costs one copy of the synced weights in memory (`stage_gb`). A
+        rank that sends nothing still takes part in ZeRO-3's gathers and stages nothing."""
+        t0 = time.perf_counter()
+        if not self.active:
+            for _ in named:
+                pass
+            self.staged_version = version
+            return {"stage_s": time.perf_counter() - t0, "stage_gb": 0.0}
+        fresh = not self._stage
+        it = iter(named)
+        i = 0
+        for layout in self.layouts:
+            for s in layout.slots:
+                name, t = next(it)
+                if name != s.name or tuple(t.shape) != s.shape:
+                    raise WeightSyncError(f"trainer yielded {name!r} {tuple(t.shape)} where the layout expects "
+                                          f"{s.name!r} {s.shape}; re-plan the sync")
+                if fresh:
+                    self._stage.append((name, torch.empty(s.shape, dtype=dtype_from_name(s.dtype), device=self.device)))
+                self._stage[i][1].copy_(t, non_blocking=True)
+                i += 1
+        if next(it, None) is not None:
+            raise WeightSyncError("trainer yielded more tensors than the layout expects; re-plan the sync")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)   # the copy is done before the next train step changes the weights
+        self.staged_version = version
+        nbytes = sum(t.numel() * t.element_size() for _, t in self._stage)
+        return {"stage_s": time.perf_counter() - t0, "stage_gb": nbytes / 2**30}
+
+    def kept_stage(self) -> tuple[list, int | None]:
+        """(the staged copy, its version): what a replacement sender adopts (`adopt_stage`)."""
+        return self._stage, self.staged_version
+
+    def adopt_stage(self, stage: list, version: int | None) -> None:
+        """Keep the staged copy of the sender this one replaces (a re-plan after a fault): the failed overlapped sync
+        it belonged to is sent again from it. Kept only where it is whole for this sender's layout."""
+        names = [(s.name, tuple(s.shape)) for lay in self.layouts for s in lay.slots]
+        if version is not None and (not self.active or [(n, tuple(t.shape)) for n, t in stage] == names):
+            self._stage, self.staged_version = (stage if self.active else []), version
+
+    def staged(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The staged weights, to `send` (they stay until the next `stage`: a failed sync is sent again from them)."""
+        if self.staged_version is None:
+            raise WeightSyncError("send of staged weights without a stage first")
+        return iter(self._stage) if self.active else iter(())
 
     def send(self, named: Iterator[tuple[str, torch.Tensor]], version: int,
              deliver: Deliver | None = None, wait: Wait | None = None, sync_id: int = 0) -> SendResult:

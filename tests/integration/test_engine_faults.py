@@ -221,3 +221,30 @@ def test_a_member_killed_during_a_weight_sync_is_abandoned_by_the_others_at_once
     assert trainer["recovery"] == "run restart" and trainer["survivors_let_go_s"] < 5, trainer
     [restart] = summary["run_restarts"]
     assert "died" in restart["error"] and summary["resumed_from"] == 8
+
+
+def test_an_engine_killed_during_an_overlapped_sync_is_replaced_from_the_staged_weights(tmp_path):
+    """Issue #27 item 2 with #33: at max_staleness 1 the sync of step s overlaps step s+1 (weight_sync.overlap auto),
+    and the trainer ranks may already hold step s+1's weights when its failure is seen. The dedicated engine is
+    SIGKILLed inside such a transfer (its loads take 1 s): the driver sees the failed sync while it waits for the next
+    batch (the survivor stays paused until a verified sync), replaces the engine, sends the staged copy of version s
+    again to both, and the run finishes with every step once and every sync verified."""
+    run = tmp_path / "overlap_kill"
+    info: list = []
+    killer = _kill_in_syncs(run, [("-engine-dedicated", "-engine-dedicated", 3)], info)
+    rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
+                      "experiment.name=overlap_kill", "experiment.steps=8", "rollout.max_staleness=1",
+                      "metrics.plots=false", *COMMON, "engines.1.sync_delay_s=1.0"])
+    killer.join(timeout=5)
+    assert rc == 0 and len(info) == 1 and "pid" in info[0], info
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9)) and all(r["sync/overlapped"] == 1.0 for r in records)
+    trained = [tuple(s) for l in (run / "rollouts.jsonl").read_text().splitlines() for s in json.loads(l)["sources"]]
+    assert len(trained) == 8 * 16 and len(set(trained)) == len(trained)      # each prompt exactly once
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["ledger"]["balanced"] == 1
+    assert summary["verified_syncs"] == summary["syncs"] == 9
+    [f] = summary["faults"]
+    assert (f["engine"], f["replacement"], f["phase"]) == ("dedicated", "dedicated.r1", "mid-sync"), f
+    assert f["first_sync_verified"] is True and f["survivors_let_go_s"] < 5, f
+    assert f["first_sync_version"] == f["sync_version"], f   # the staged version again, not the trainer's later one

@@ -187,6 +187,38 @@ def test_a_lower_ticket_arriving_during_a_sync_goes_before_it(actor):
     assert not s.is_alive() and actor.engine.order == [0, 1, 2] and actor.engine.paused_at == [0, 1, 2]
 
 
+def _generate(actor, tag, version, errors):
+    def go():
+        try:
+            actor.generate([[tag]], None, None, version)
+        except Exception as e:   # noqa: BLE001 -- the test reports any
+            errors.append(e)
+    t = threading.Thread(target=go)
+    t.start()
+    return t
+
+
+def test_a_call_dispatched_for_weights_still_on_their_way_waits_for_them(actor):
+    """weight_sync.overlap: the manager counts version 1 from the start of its sync, which may reach this engine after
+    a group dispatched under it. The call waits (reported as paused: the health check must not call it hung) and runs
+    on version 1; a call for weights the engine already holds, or older ones, runs at once."""
+    errors = []
+    early = _generate(actor, 5, 1, errors)
+    time.sleep(0.1)
+    assert actor.engine.order == [] and early.is_alive() and actor.health()["paused"]
+    old = _generate(actor, 6, 0, errors)    # admitted under version 0, which the engine holds
+    old.join(5)
+    assert actor.engine.order == [6]
+    actor.pause("wait")
+    actor.finish_sync(1)
+    actor.resume()
+    early.join(5)
+    assert actor.engine.order == [6, 5] and not errors and not actor.health()["paused"]
+    newer = _generate(actor, 7, 0, errors)  # the engine is past the dispatch version: fine without a ticket
+    newer.join(5)
+    assert actor.engine.order == [6, 5, 7] and not errors and actor._awaiting == actor._active == 0
+
+
 def test_untickted_calls_keep_the_old_gate(actor):
     actor.generate([[7]], None)
     assert actor.engine.order == [7] and actor._next_ticket == 0 and actor._active == 0

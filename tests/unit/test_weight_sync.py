@@ -320,3 +320,29 @@ def test_inactive_sender_drains_iterator_and_returns_empty_result():
     assert res.checksums == [] and res.engine_checksums == {} and res.bytes == 0 and res.total_s == 0.0
 
 
+
+
+# ============================================================================ staged sends (weight_sync.overlap)
+
+def test_a_staged_send_carries_the_weights_of_the_stage_not_later_ones():
+    """The trainer stages version 1, then trains on (its live weights change) while the staged copy is sent: the
+    engine gets version 1 exactly, and its checksums are version 1's. A replacement sender (a re-plan after a fault)
+    keeps the staged copy, so the failed sync can be sent again; a fresh one refuses to send without a stage."""
+    sender, params, deliver, wait = _ipc_sender_and_receiver(512)
+    live = {s.name: torch.randn(s.shape) for s in SMALL}
+    v1 = {n: t.clone() for n, t in live.items()}
+    stage = sender.stage(iter(live.items()), 1)
+    assert sender.staged_version == 1 and stage["stage_gb"] == pytest.approx(sum(t.numel() * 4 for t in v1.values()) / 2**30)
+    for t in live.values():
+        t.add_(1.0)                                   # the next train step
+    res = sender.send(sender.staged(), 1, deliver, wait)
+    assert res.checksums == checksums(v1.values()) == res.engine_checksums["A"]
+    for n, t in v1.items():
+        assert_bit_equal(params[n], t, n)
+    again, _, _, _ = _ipc_sender_and_receiver(512)
+    with pytest.raises(WeightSyncError, match="without a stage"):
+        again.staged()
+    again.adopt_stage(*sender.kept_stage())
+    assert again.staged_version == 1 and [checksums([t])[0] for _, t in again.staged()] == res.checksums
+    with pytest.raises(WeightSyncError, match="expects"):   # a stage checks the layout like a send
+        sender.stage(iter(reversed(list(live.items()))), 2)
