@@ -1,11 +1,12 @@
-"""Whole-step throughput of streaming rollouts: the synchronous loop vs max_staleness 1 vs 1 + partial rollouts.
+"""Whole-step throughput of streaming rollouts: the synchronous loop vs max_staleness 1 vs 1 + partial rollouts vs 1
+with every weight sync on the trainer's path (k1s: weight_sync.overlap off; k1 and k1p overlap it, the default).
 
     python bench/async_rl.py --out bench/RESULTS_async.md     # nvidia-h200-x2: trainer GPU 0, streaming vLLM GPU 1
     python bench/async_rl.py --colocated                      # one GPU: vLLM beside the trainer, CUDA IPC sync
     python bench/async_rl.py --dry-run                        # CPU smoke of the script (tiny model, hf engine)
 
-One cluster (launch.py's own actors and `rl_step`), one workload, the three modes run in interleaved segments
-(sync, k1, k1p, sync, k1, k1p, ...), each `--warmup` steps (pipeline fill, not measured) + `--steps` measured.
+One cluster (launch.py's own actors and `rl_step`), one workload, the modes run in interleaved segments
+(sync, k1, k1p, k1s, sync, k1, ...), each `--warmup` steps (pipeline fill, not measured) + `--steps` measured.
 Workload: a Llama-3.2-1B-shaped policy with random bf16 weights, `--prompts` x `--group` samples per step, response
 lengths per prompt from a lognormal (median `--median`, sigma `--sigma`, capped at `--cap`) enforced with
 per-request max_tokens and ignore_eos. The dataset is exactly one step of prompts whose lengths are the lognormal's
@@ -38,7 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 MODES = {"sync": dict(max_staleness=0, partial_rollouts=False), "k1": dict(max_staleness=1, partial_rollouts=False),
-         "k1p": dict(max_staleness=1, partial_rollouts=True)}
+         "k1p": dict(max_staleness=1, partial_rollouts=True),
+         # k1 with every sync on the trainer's path (weight_sync.overlap off): what the overlap buys, same run
+         "k1s": dict(max_staleness=1, partial_rollouts=False, overlap=False)}
 
 
 def reward(response: str, row: dict) -> float:
@@ -193,7 +196,7 @@ def main(argv=None) -> int:
     p.add_argument("--median", type=float, default=300)
     p.add_argument("--sigma", type=float, default=0.8)
     p.add_argument("--cap", type=int, default=2048)
-    p.add_argument("--modes", default="sync,k1,k1p")
+    p.add_argument("--modes", default="sync,k1,k1p,k1s")
     p.add_argument("--segments", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
@@ -236,7 +239,10 @@ def main(argv=None) -> int:
         for seg in range(args.segments):
             for mode in per_mode:
                 n = args.warmup + args.steps
-                cluster.start_rollouts(step, step - 1, None, last_step=step + n - 1, **MODES[mode])
+                mode_args = dict(MODES[mode])
+                ws = cluster.cfg.weight_sync.model_copy(update={"overlap": mode_args.pop("overlap", "auto")})
+                cluster.cfg = cluster.cfg.model_copy(update={"weight_sync": ws})   # read at each step's sync
+                cluster.start_rollouts(step, step - 1, None, last_step=step + n - 1, **mode_args)
                 recs, windows = [], []
                 for s in range(step, step + n):
                     a = time.time() - cluster.timeline.t0
