@@ -26,6 +26,17 @@ def _run(tmp_path, name, steps, *extra):
     return [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_a_reference_section_without_kl_is_refused_before_ray(tmp_path, capsys):
+    import ray
+    rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
+                      "algorithm.kl_coef=0", *QUIET, *APART])
+    assert rc == 2 and not ray.is_initialized()
+    err = capsys.readouterr().err
+    assert "reference.num_workers: grpo as configured has no KL reference" in err, err
+
+
+
+@pytest.mark.usefixtures("shared_ray")   # two runs, one Ray (the test above must run before it: it needs none)
 def test_separate_reference_trains_as_the_colocated_one_and_resumes(tmp_path):
     base = baseline("tiny_cpu_20steps")
     _run(tmp_path, "apart", 2)
@@ -37,12 +48,3 @@ def test_separate_reference_trains_as_the_colocated_one_and_resumes(tmp_path):
     assert records[-1]["train/kl"] > 0
     events = [json.loads(l) for l in (tmp_path / "apart" / "timeline.jsonl").read_text().splitlines()]
     assert sum(e.get("actor") == "reference" and e.get("phase") == "load" for e in events) == 1, events[:5]
-
-
-def test_a_reference_section_without_kl_is_refused_before_ray(tmp_path, capsys):
-    import ray
-    rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
-                      "algorithm.kl_coef=0", *QUIET, *APART])
-    assert rc == 2 and not ray.is_initialized()
-    err = capsys.readouterr().err
-    assert "reference.num_workers: grpo as configured has no KL reference" in err, err

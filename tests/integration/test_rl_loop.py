@@ -13,6 +13,22 @@ import launch  # noqa: E402
 pytestmark = pytest.mark.integration
 
 
+# First: it checks that Ray is not running, and the shared Ray of the tests below stays up until the module ends.
+def test_infeasible_placement_is_a_clear_error_and_cleans_up(tmp_path, capsys):
+    import ray
+    # 8 trainer bundles + 1 dedicated engine (the colocated one shares a bundle) = 9 * 0.25 CPUs; the local
+    # Ray offers 1: Ray alone would wait forever.
+    rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "experiment.name=big", f"experiment.output_dir={tmp_path}",
+                      "trainer.num_ranks=8", "ray.num_cpus=1", "ray.get_timeout_s=5", "metrics.ray_metrics=false"])
+    assert rc == 2      # a bad input, as every config error
+    err = capsys.readouterr().err
+    # caught before Ray starts (rlhf_orch/resources.py), with the field and the fixes
+    assert "trainer.num_ranks: the run needs 2.25 CPUs" in err and "raise ray.num_cpus" in err, err
+    assert not ray.is_initialized()
+
+
+
+@pytest.mark.usefixtures("shared_ray")
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_rl_steps_both_transports(tmp_path, zero_stage):
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "experiment.steps=2",
@@ -40,6 +56,7 @@ def test_two_rl_steps_both_transports(tmp_path, zero_stage):
     assert json.loads((run / "checkpoints" / "step2" / "rl_state.json").read_text())["step"] == 2
 
 
+@pytest.mark.usefixtures("shared_ray")
 def test_failure_leaves_metrics_checkpoint_and_plots(tmp_path, capsys):
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "experiment.steps=5", "experiment.name=fail",
                       f"experiment.output_dir={tmp_path}", "trainer.warm_start_steps=0", "ray.num_cpus=2",
@@ -55,16 +72,3 @@ def test_failure_leaves_metrics_checkpoint_and_plots(tmp_path, capsys):
     state = json.loads((run / "checkpoints" / "step1" / "rl_state.json").read_text())
     assert state["data"]["epoch"] == 0 and state["data"]["offset"] == 16
     assert (run / "plots" / "reward.png").exists()
-
-
-def test_infeasible_placement_is_a_clear_error_and_cleans_up(tmp_path, capsys):
-    import ray
-    # 8 trainer bundles + 1 dedicated engine (the colocated one shares a bundle) = 9 * 0.25 CPUs; the local
-    # Ray offers 1: Ray alone would wait forever.
-    rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "experiment.name=big", f"experiment.output_dir={tmp_path}",
-                      "trainer.num_ranks=8", "ray.num_cpus=1", "ray.get_timeout_s=5", "metrics.ray_metrics=false"])
-    assert rc == 2      # a bad input, as every config error
-    err = capsys.readouterr().err
-    # caught before Ray starts (rlhf_orch/resources.py), with the field and the fixes
-    assert "trainer.num_ranks: the run needs 2.25 CPUs" in err and "raise ray.num_cpus" in err, err
-    assert not ray.is_initialized()
