@@ -21,10 +21,12 @@ wait), so after resume every token is exactly the new policy's given the tokens 
 Exact version stamps. SGLang's pause is fire-and-forget (tokenizer_manager.py:1974-1993) and the tokens of the
 last steps reach the TokenizerManager through the detokenizer process, after the pause returned. So the pause
 asks the paused scheduler, in a control message queued behind the pause (one socket, FIFO), how many tokens each
-of its requests has (`rlhf_sglang_census`, a custom weight loader that reads the Scheduler on its stack), and
-waits until each stream has received exactly that many (requests that finished before the pause: until their
-final output). Nothing is generated until `resume()` sends continue_generation, and `resume()` switches the
-versions first: tokens before the pause carry the old version, all after it the new one.
+of its requests has (`rlhf_sglang_census`, a custom weight loader that reads the Scheduler on its stack). Before
+the versions switch, each stream must have received exactly that many (requests that finished before the pause:
+their final output): `resume()` waits for that, so a "keep" pause returns without waiting for the detokenizer's
+backlog (seconds at hundreds of running requests on vLLM, issue #27), which arrives while the weights load. Nothing
+is generated until `resume()` sends continue_generation, and it switches the versions first: tokens before the
+pause carry the old version, all after it the new one.
 
 Not supported: sleep with requests in flight or kept (SGLang asserts an idle scheduler), stop strings,
 data/pipeline parallelism, SGLang's own n > 1 (n is flattened to n requests, as in SGLangEngine). Weight loading
@@ -157,6 +159,7 @@ class AsyncSGLangRunner:
         self.drain_timeout_s = drain_timeout_s
         self.paused_mode: str | None = None
         self.last_pause: dict = {}
+        self._counts: dict[str, int] | None = None   # a "keep" pause's census, drained in resume()
         self._calls: set[_Call] = set()
         self._reqs: dict[str, _Req] = {}       # admitted and not ended (loop thread only)
         self._open = asyncio.Event()
@@ -272,8 +275,10 @@ class AsyncSGLangRunner:
 
     # ---- pause / resume --------------------------------------------------------------------------
     def pause(self, mode: str) -> None:
-        """Returns once paused: "wait" when every request ended; "keep"/"abort" once the scheduler is paused and
-        every token it generated before reached our streams ("abort": and every request ended)."""
+        """Returns once paused: "wait" when every request ended; "keep" once the scheduler is paused and has said
+        how many tokens each request has (the tokens still on their way from the detokenizer are waited for in
+        `resume`, after the weights loaded, before later tokens get the new version: the pause does not wait for
+        that backlog, as the vLLM engine's does not); "abort" once every request ended with every token it had."""
         if mode not in PAUSE_MODES:
             raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         if self.paused_mode is not None:
@@ -288,9 +293,11 @@ class AsyncSGLangRunner:
             counts = self.census()
             t2 = time.perf_counter()
             stats.update(census_s=t2 - t1, kept=len(counts))
-            stats["exact"] = self._call(self._drain(counts))
-            stats["drain_s"] = time.perf_counter() - t2
-            if mode == "abort":
+            if mode == "keep":
+                self._counts = counts   # drained in resume()
+            else:   # an abort ends the requests now, each with every token the scheduler generated
+                stats["exact"] = self._call(self._drain(counts))
+                stats["drain_s"] = time.perf_counter() - t2
                 self._call(self._abort_all())
         stats["pause_s"] = time.perf_counter() - t0
         self.last_pause = stats
@@ -345,8 +352,13 @@ class AsyncSGLangRunner:
         return True
 
     def resume(self) -> None:
-        """Stamp later tokens with version_fn() (read now), then let SGLang generate again."""
+        """After "keep": wait until the tokens generated before the pause reached our streams (the backlog came in
+        while the weights loaded). Then stamp later tokens with version_fn() (read now) and let SGLang generate."""
         t0 = time.perf_counter()
+        if self._counts is not None:
+            counts, self._counts = self._counts, None
+            self.last_pause["exact"] = self._call(self._drain(counts))
+            self.last_pause["drain_s"] = time.perf_counter() - t0
         self._call(self._resume())
         self.last_pause["resume_s"] = time.perf_counter() - t0
 

@@ -98,10 +98,8 @@ def test_version_boundary_is_exact_through_an_ipc_sync(engine, dirs):
         t1 = time.perf_counter()
         assert worker.is_alive(), "the requests finished before the pause: make them longer"
         counts = engine._census(False)[0]["census"]
-        got = {rid: len(r.tokens) for rid, r in engine.runner._reqs.items()}
-        assert got == counts and len(counts) == 32 and all(c > 0 for c in counts.values())
-        assert engine.runner.last_pause["exact"]
-        time.sleep(0.2)
+        assert len(counts) == 32 and all(c > 0 for c in counts.values())
+        time.sleep(0.2)   # the detokenizer's backlog arrives (pause() no longer waits for it; resume() checks it)
         assert {rid: len(r.tokens) for rid, r in engine.runner._reqs.items()} == counts, "nothing runs while paused"
         target = new_dir if rep % 2 == 0 else old_dir   # alternate, so every round changes the weights
         ws = weights if rep % 2 == 0 else [(n, t.to(dev)) for n, t in named_weights(old_dir, torch.bfloat16)]
@@ -115,6 +113,7 @@ def test_version_boundary_is_exact_through_an_ipc_sync(engine, dirs):
         t4 = time.perf_counter()
         engine.resume()
         t5 = time.perf_counter()
+        assert engine.runner.last_pause["exact"]
         worker.join(300)
         samples = box["out"]
         assert len(samples) == 32
