@@ -14,6 +14,7 @@ the timeline and a checkpoint are written in `finally`, so a failed run still le
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -105,6 +106,15 @@ def rl_step(cluster, cfg, step: int) -> tuple[dict, dict]:
     return m, meta
 
 
+def _last_sync(cluster) -> dict:
+    """The overlapped sync still under way when a run stops, finished ({} if it fails: it is not counted verified)."""
+    try:
+        return cluster.overlap.last()
+    except Exception as e:   # the stop goes on: checkpoint, plots, summary
+        logger.warning("the last weight sync did not finish: %s", str(e).splitlines()[0])
+        return {}
+
+
 def save_checkpoint(cluster, step: int, rollout_state: dict) -> None:
     """A periodic checkpoint. If it cannot be written (disk full, permissions, a trainer error) the run goes on
     while an earlier good checkpoint exists, with the true cause logged; with none it stops."""
@@ -127,6 +137,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
     and returns it. `eval_set`: rlhf_orch.evaluation.eval_set_for's (made here when not given and eval is on)."""
     import torch
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
     from actors.builder import Cluster
     from rlhf_orch.rollout_utils import reward_summary, warm_start_pairs
     from rlhf_orch.checkpoint import CheckpointPolicy
@@ -139,7 +150,8 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
     random.seed(seed), torch.manual_seed(seed)
     cluster, sinks, records = None, None, []
     rollout_state = None    # the rollout manager's state after the last *completed* step: what a checkpoint holds
-    verified, syncs = 0, 0
+    verified, syncs, tail = 0, 0, None
+    quiet_bar = contextlib.ExitStack()
     summary = {} if summary is None else summary
     eval_set = eval_set if eval_set is not None else eval_set_for(cfg, tokenizer)   # None: evaluation off
     try:
@@ -167,6 +179,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
         logger.info("initial sync: %.1f MB in %.3fs (%s)", sync_metrics["sync/bytes"] / 1e6,
                     sync_metrics["sync/total_s"], cluster.plan)
         cluster.start_rollouts(start, start - 1, resumed)
+        quiet_bar.enter_context(logging_redirect_tqdm())   # log lines above the progress bar, not glued onto it
         bar = tqdm(range(start, last + 1), initial=start - 1, total=last, desc=cfg.algorithm.name.upper(), file=sys.stderr)
         for step in bar:
             m, meta = rl_step(cluster, cfg, step)
@@ -194,15 +207,19 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
                 save_checkpoint(cluster, step, rollout_state)
                 policy.mark_done()
         tail = cluster.overlap.last()   # the last step's sync, if it overlapped (its step's record is written)
-        summary.update(reward_summary([r["rollout/reward_mean"] for r in records]))
-        # A checksum mismatch raises, so a finished run has verified every sync unless weight_sync.verify is off.
-        # Step syncs of the whole run (records span earlier segments after a resume) plus this start's initial one.
-        syncs += len(records)
-        # With weight_sync.overlap a step's record holds the previous step's sync; the last one is `tail`.
-        verified += sum(int(r.get("sync/checksum_ok") == 1.0) for r in records + [tail])
-        summary.update(syncs=syncs, verified_syncs=verified, transports=cluster.plan)
         return summary
     finally:
+        quiet_bar.close()
+        if tail is None and cluster is not None and isinstance(sys.exc_info()[1], (RunStopped, KeyboardInterrupt)):
+            tail = _last_sync(cluster)   # a stopped run reports complete counts too (its sync under way finishes)
+        summary.update(reward_summary([r["rollout/reward_mean"] for r in records]))
+        # A checksum mismatch raises, so a finished run has verified every sync unless weight_sync.verify is off.
+        # Step syncs of the whole run (records span earlier segments after a resume) plus this start's initial one;
+        # with weight_sync.overlap a step's record holds the previous step's sync, and the last one is `tail`.
+        summary.update(syncs=syncs + len(records),
+                       verified_syncs=verified + sum(int(r.get("sync/checksum_ok") == 1.0) for r in records + [tail or {}]))
+        if cluster is not None:
+            summary["transports"] = cluster.plan
         if _IN_STEP:   # failed after this step began training: no checkpoint may label its update as the step before
             logger.warning("final checkpoint skipped: the trainers may already hold step %d's update, which did not "
                            "complete; a resume starts from the latest periodic checkpoint", _IN_STEP[0])
@@ -276,8 +293,10 @@ def main(argv=None) -> int:
 
 def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set) -> int:
     """The run with its automatic restarts from the latest checkpoint; writes summary.json; returns the exit code."""
+    from rlhf_orch.checkpoint import checkpoint_dir, find_good
     from rlhf_orch.errors import RLHFOrchError, RunStopped, is_actor_death
     from actors.ray_session import stop_ray   # imports Ray (seconds): not at the top, so --help stays instant
+    from rlhf_orch.report import end_of_run
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     _STOPPING.clear()   # a fresh run in this process (tests call main() more than once)
@@ -299,8 +318,11 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
             if is_actor_death(e) and len(restarts) < cfg.fault_tolerance.max_run_restarts and not _STOPPING:
                 restarts.append({"t": time.time(), "error": str(e).splitlines()[0][:500]})
                 faults.extend(summary.get("faults", []))
-                logger.error("run failed (%s); restarting from the latest checkpoint (restart %d of %d)",
-                             str(e).splitlines()[0], len(restarts), cfg.fault_tolerance.max_run_restarts)
+                good, _ = find_good(checkpoint_dir(run_dir))
+                logger.error("run failed (%s); restarting it by itself (restart %d of %d, fault_tolerance."
+                             "max_run_restarts) from %s", str(e).splitlines()[0], len(restarts),
+                             cfg.fault_tolerance.max_run_restarts, f"its checkpoint {good}" if good else
+                             "step 1: no checkpoint yet (trainer.checkpoint_every / checkpoint_every_minutes)")
                 cfg = cfg.model_copy(update={"resume": True})   # the dataset here was never drawn from: same order
                 stop_ray()
                 continue
@@ -314,7 +336,8 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_summary(run_dir, summary)
-        logger.info("done: %s", json.dumps(summary))
+        for line in end_of_run(summary, run_dir):   # its digest; summary.json is the complete record
+            logger.info("%s", line)
     finally:
         stop_ray()   # after summary.json: a SIGTERM while Ray stops its processes ends this driver at once
     return rc

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import ray
@@ -29,6 +30,7 @@ from rlhf_orch.config import engine_names
 from rlhf_orch.config.checks import engines_that_cannot_stop
 from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError
 from rlhf_orch.metrics.timeline import Timeline
+from rlhf_orch.rollout.scheduler import whole_run_ledger
 
 logger = logging.getLogger(__name__)
 
@@ -122,16 +124,23 @@ class Cluster(EngineRecovery):
                    peak_tflops=cfg.trainer.peak_tflops, critic=critic_kwargs(cfg, colocated=True))
         # Engines first: vLLM sizes its memory from what is free when it starts, and a colocated trainer
         # allocating meanwhile would skew that; then colocated engines sleep while the trainer starts.
+        t0 = time.perf_counter()
+
+        def stage(what: str) -> None:   # the minutes of a cluster's start are not silent
+            logger.info("%s (%.0f s since Ray was up)", what, time.perf_counter() - t0)
         get([e.device_ids.remote() for e in self.engines.values()], self.timeout, "engines to start", EngineError)
+        stage(f"engines up: {', '.join(self.engines)}")
         self.colocation = Colocation(self.trainers, self.engines, sleep_levels, cfg.trainer.offload, device, self.timeout)
         self.colocation.start()
         self.trainers.init(model_path, tkw)
+        stage(f"{cfg.trainer.num_ranks} trainer rank(s) up (DeepSpeed ZeRO-{cfg.trainer.zero_stage})")
         self.trainer_kwargs = tkw
         # A separate reference loads at snapshot_reference; a separate critic now.
         self.references, self.critics = start_role_groups(cfg, name, env, self.timeout, model_path)
         self.colocation.wake_weights()      # receivers are built into awake weights; the KV cache stays freed
         get([r.score.remote([]) for r in self.rewarders], self.timeout, "reward workers to start", RewardError)
         self._start_coordinator(f"{name}-weight-sync")
+        stage("reward workers up, weight-sync groups made")
         a, r = cfg.algorithm, cfg.rollout
         settings = dict(prompts_per_step=cfg.data.prompts_per_step, group_size=a.group_size, max_staleness=r.max_staleness,
                         dispatch_groups=r.dispatch_groups, filter_groups=r.filter_groups, filter_max_draws=r.filter_max_draws,
@@ -349,7 +358,8 @@ class Cluster(EngineRecovery):
             logger.warning("checkpoint %s without engine %s's sampling RNG: resuming from it is not bit-exact", tag, slot)
         # The data cursor is after every draw; draws not yet trained (max_staleness >= 1) are re-queued on resume.
         write_rl_state(stage, {"step": step, "weight_version": step, "data": rollout_state["data"],
-                               "rollout": {"pending": rollout_state["pending"], "ledger": rollout_state["ledger"]},
+                               "rollout": {"pending": rollout_state["pending"],
+                                           "ledger": self._whole_ledger(rollout_state["ledger"])},
                                "engine_rng_missing": sorted(missing)},
                        {f"engine_rng/{n}": r for n, r in rngs.items() if r is not None})
         if self.cfg.trainer.export_hf:   # the policy with the run's tokenizer, chat template and sampling defaults
@@ -362,7 +372,7 @@ class Cluster(EngineRecovery):
         """Load the checkpoint found at start into the trainers and engines' RNGs; None if there was none."""
         ckpt = checkpoint_dir(self.run_dir)
         if self.resume_from is None:
-            logger.warning("resume=true but %s has no checkpoint: starting from scratch", ckpt)
+            logger.warning("no checkpoint in %s to continue from: starting from step 1", ckpt)
             return None
         tag, state, tensors = self.resume_from
         self.trainers.call("load_checkpoint", str(ckpt), tag)
@@ -418,6 +428,11 @@ class Cluster(EngineRecovery):
                            str(e).splitlines()[0][:200])
             return False
 
+    def _whole_ledger(self, ledger: dict) -> dict:
+        """This segment's ledger over the one its checkpoint saved: one ledger for all segments of the run."""
+        return whole_run_ledger(self.resume_from[1].get("rollout", {}).get("ledger", {}) if self.resume_from else {},
+                                ledger)
+
     def _stop_rollouts(self) -> None:
         """Collect the manager's last timeline events and ledger, then stop it (before the engines go)."""
         self.final_ledger = {}
@@ -425,7 +440,7 @@ class Cluster(EngineRecovery):
             return
         try:
             self.timeline.extend(ray.get(self.rollouts.events.remote(), timeout=30))
-            self.final_ledger = ray.get(self.rollouts.ledger.remote(), timeout=30)
+            self.final_ledger = self._whole_ledger(ray.get(self.rollouts.ledger.remote(), timeout=30))
             # engines declared dead after the last step boundary: recorded, never replaced
             self.faults.extend({**rec, "replacement": None} for rec in
                                ray.get(self.rollouts.take_dead.remote(), timeout=30).values())
@@ -469,8 +484,7 @@ class Cluster(EngineRecovery):
             self._rollout_log.close()
         if self.cfg.metrics.plots and records:
             from rlhf_orch.metrics import plot_run
-            paths = plot_run(records, self.run_dir / "plots")
-            logger.info("plots: %s", ", ".join(str(p) for p in paths))
+            plot_run(records, self.run_dir / "plots")   # the end-of-run report lists every plot (rlhf_orch/report.py)
         try:
             if self.placement is not None:
                 self.placement.release()

@@ -49,6 +49,7 @@ def actor_env(device: str) -> dict[str, str]:
     }
     if device == "cpu":
         env["OMP_NUM_THREADS"] = "1"
+        env["DS_ACCELERATOR"] = "cpu"   # DeepSpeed's own detection warns "Setting accelerator to CPU" in every rank
     for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE", "RLHF_ORCH_LOG_LEVEL",
                 "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "PYTHONPATH"):
         if key in os.environ:

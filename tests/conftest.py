@@ -14,6 +14,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 os.environ.setdefault("MKL_CBWR", "AVX2")
 os.environ.setdefault("DNNL_MAX_CPU_ISA", "AVX2")
+# DeepSpeed's C++ op builds once per machine, in the folder runs use (rlhf_orch/torch_ext.py): tests that train in
+# this process, the actors of test runs, .ci/run and `python launch.py` all find it there (issue #31: it was three).
+if "TORCH_EXTENSIONS_DIR" not in os.environ:
+    from rlhf_orch.torch_ext import default_extensions_dir
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(default_extensions_dir())
 
 
 @pytest.fixture

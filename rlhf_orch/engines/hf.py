@@ -27,6 +27,7 @@ import time
 from typing import Sequence
 
 import torch
+import transformers
 
 from rlhf_orch.engines.base import EngineLifecycle, per_prompt_params
 from rlhf_orch.errors import EngineError
@@ -34,6 +35,13 @@ from rlhf_orch.types import Sample, dtype_from_name
 from rlhf_orch.weight_sync.buckets import checksums
 
 logger = logging.getLogger(__name__)
+# transformers 5.x names the KV cache `cache` (`past_key_values` warns at every decode step, and goes in 5.40); 4.x
+# knows only `past_key_values`. The name changes nothing else.
+_CACHE_ARG = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
+
+
+def _cache_of(out):
+    return out["cache"] if "cache" in out else out.past_key_values
 
 
 class HFEngine(EngineLifecycle):
@@ -105,7 +113,7 @@ class HFEngine(EngineLifecycle):
         aborted = not self._between_steps()
         version = self.weight_version      # the weights that compute the next logits
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        past = out.past_key_values
+        past = _cache_of(out)
         logits = out.logits[:, -1].float()
         done = torch.zeros(len(items), dtype=torch.bool, device=self.device)
         tokens, logps, versions = [], [], []
@@ -131,8 +139,8 @@ class HFEngine(EngineLifecycle):
                 time.sleep(self.decode_delay_s)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                             past_key_values=past, use_cache=True)
-            past, logits, next_pos = out.past_key_values, out.logits[:, -1].float(), next_pos + 1
+                             use_cache=True, **{_CACHE_ARG: past})
+            past, logits, next_pos = _cache_of(out), out.logits[:, -1].float(), next_pos + 1
         toks = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in items]
         lps = torch.stack(logps, 1).tolist() if logps else [[] for _ in items]
         samples = []

@@ -273,3 +273,20 @@ class GroupScheduler:
     def requeue(self, prompts: list[Prompt]) -> None:
         self.requeue_first.extend(prompts)
         self.counts["requeued_on_resume"] += len(prompts)
+
+
+def whole_run_ledger(before: dict, after: dict) -> dict[str, int]:
+    """One ledger for a run resumed (or restarted) from a checkpoint: `before` is the ledger its checkpoint saved (every
+    earlier segment, up to that step), `after` this segment's. The draws still queued, running or buffered at the
+    checkpoint were drawn again here (re-queued first), so they count once; everything else adds up."""
+    if not before:
+        return dict(after)
+    pending = sum(int(before.get(k, 0)) for k in ("queued", "in_flight", "buffered"))
+    out = {k: int(before.get(k, 0)) + int(v) for k, v in after.items() if k not in ("queued", "in_flight", "buffered",
+                                                                                   "balanced")}
+    out["drawn"] = int(before.get("drawn", 0)) - pending + int(after.get("drawn", 0))
+    out.update({k: int(after.get(k, 0)) for k in ("queued", "in_flight", "buffered")})
+    out["balanced"] = int(out["drawn"] == out["trained"] + out["filtered"] + out["queued"] + out["in_flight"]
+                          + out["buffered"])
+    return out
+

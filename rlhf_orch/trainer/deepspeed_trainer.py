@@ -26,6 +26,7 @@ import gc
 import logging
 import os
 import time
+import warnings
 from typing import Iterator
 
 import torch
@@ -40,6 +41,9 @@ from rlhf_orch.trainer.forward import Forward
 from rlhf_orch.trainer.offload import Offloadable
 from rlhf_orch.types import ParamSpec, TrainBatch, dtype_from_name
 
+# DeepSpeed 0.19's ZeRO calls torch's deprecated all_gather_into_tensor at every step: a warning only its maintainers
+# can act on, printed (with a stray `return func(*args, **kwargs)` line) into every run's output.
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 logger = logging.getLogger(__name__)
 
 

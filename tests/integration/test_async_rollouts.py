@@ -96,3 +96,4 @@ def test_resume_with_groups_in_flight_neither_loses_nor_repeats(tmp_path):
     assert set(again) == set(uninterrupted)                              # the same prompts as without the crash
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] == 3 and summary["ledger"]["requeued_on_resume"] == len(state["rollout"]["pending"])
+    assert summary["ledger"]["trained"] == 6 * 16 and summary["ledger"]["balanced"] == 1   # both segments, once

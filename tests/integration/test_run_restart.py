@@ -71,6 +71,7 @@ def test_each_killed_member_restarts_the_run_or_is_replaced_and_the_run_ends_exa
             assert abs(want[key] - got[key]) <= 1e-6, (want["step"], key, want[key], got[key])
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["ledger"]["balanced"] == 1
+    assert summary["ledger"]["trained"] == 20 * 16   # one ledger for all five segments (issue #31)
     restarts = summary["run_restarts"]
     assert len(restarts) == 4 and all("died" in r["error"] for r in restarts), restarts
     assert summary["resumed_from"] >= 15   # the last restart (the manager's, at ~17) from the checkpoint before it

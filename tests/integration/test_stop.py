@@ -47,6 +47,10 @@ def test_sigterm_saves_checkpoint_summary_and_plots(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "stopped" and "SIGTERM" in summary["error"]
     steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
+    # complete counts although it stopped (issue #31): steps, rewards, every sync verified (the initial one included)
+    assert summary["steps"] == len(steps) and summary["verified_syncs"] == summary["syncs"] == len(steps) + 1, summary
+    assert "reward_first" in summary and "reward_last" in summary
+    assert f"run stopped after {len(steps)} steps" in log and "weight syncs verified" in log, log[-3000:]
     tag, notes = find_good(checkpoint_dir(run))
     assert tag == f"step{steps[-1]}" and not notes            # the last completed step, complete and verified
     assert (run / "plots" / "timeline.png").exists() and (run / "plots" / "reward.png").exists()

@@ -199,3 +199,21 @@ def test_deterministic_filter_counts_do_not_depend_on_when_later_groups_were_sco
     finish(s, s.plan_dispatch())
     batch = s.select_batch(2)
     assert [g.gid for g in batch] == [2, 4] and s.take(batch) == 1
+
+
+def test_a_resumed_runs_ledger_counts_every_segment_once():
+    """Issue #31: after a resume the summary's ledger covered only the last segment (240 trained for 45 steps)."""
+    from rlhf_orch.rollout.scheduler import whole_run_ledger
+    # checkpoint after 10 steps of 16 groups: 160 trained, 12 filtered, 5 still queued/running/buffered
+    before = {"drawn": 177, "dispatched": 175, "trained": 160, "filtered": 12, "aborted": 3, "requeued_on_resume": 0,
+              "kept_over_cap": 1, "requeued_on_failure": 2, "queued": 2, "in_flight": 2, "buffered": 1, "balanced": 1}
+    # the resumed segment: the 5 re-queued first (drawn again), then 5 more steps
+    after = {"drawn": 90, "dispatched": 90, "trained": 80, "filtered": 6, "aborted": 0, "requeued_on_resume": 5,
+             "kept_over_cap": 0, "requeued_on_failure": 0, "queued": 4, "in_flight": 0, "buffered": 0, "balanced": 1}
+    led = whole_run_ledger(before, after)
+    assert led["trained"] == 240 and led["filtered"] == 18 and led["drawn"] == 177 - 5 + 90
+    assert (led["queued"], led["in_flight"], led["buffered"]) == (4, 0, 0) and led["balanced"] == 1
+    assert led["requeued_on_resume"] == 5 and led["aborted"] == 3 and led["dispatched"] == 265
+    assert whole_run_ledger({}, after) == after                      # a fresh run: its own ledger
+    chained = whole_run_ledger(led, {**after, "trained": 16, "drawn": 20, "filtered": 0, "queued": 4})
+    assert chained["trained"] == 256 and chained["balanced"] == 1   # a checkpoint of the resumed run holds it all
