@@ -297,6 +297,7 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
     from rlhf_orch.errors import RLHFOrchError, RunStopped, is_actor_death
     from actors.ray_session import stop_ray   # imports Ray (seconds): not at the top, so --help stays instant
     from rlhf_orch.report import end_of_run
+    from rlhf_orch.run_dir import ray_job_id
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     _STOPPING.clear()   # a fresh run in this process (tests call main() more than once)
@@ -332,6 +333,9 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
             break
     summary["faults"] = faults + summary.get("faults", [])
     summary["run_restarts"] = restarts
+    job = ray_job_id(dict(os.environ), os.getcwd())
+    if job is not None:   # `ray job submit`: which submission this was (its id also names the default folder)
+        summary["ray_job"] = job
     summary["wall_s"] = round(time.time() - t0, 1)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,8 @@
 `resolve_output_dir`: under `ray job submit --working-dir .` the driver's cwd is Ray's temporary copy of the
 working dir (`.../runtime_resources/working_dir_files/...`), deleted with the job's runtime env. A relative
 `experiment.output_dir` there would put metrics and checkpoints where nobody finds them, so in a Ray job it
-resolves under `$RLHF_ORCH_OUTPUT_DIR`, else `~/rlhf_orch_runs`. Outside a Ray job a relative path stays relative
+resolves under `$RLHF_ORCH_OUTPUT_DIR`, else `~/rlhf_orch_runs`; left at its default, in a folder named by the job's
+submission id (`job_output_override`), so jobs of one config never share a run folder. Outside a Ray job a relative path stays relative
 to the cwd, as it always was; an absolute path is never changed. Pure: env and cwd are passed in.
 
 `RunLock`: `<run_dir>/.run.lock`, an flock held for the driver's whole life (the in-process restart loop keeps
@@ -91,11 +92,18 @@ def job_output_override(config_path, overrides: list[str], env: dict, cwd: str) 
             pass
     exp = raw.get("experiment")
     output_dir = exp.get("output_dir") if isinstance(exp, dict) else None
-    if output_dir is None:
+    default = output_dir is None
+    if default:
         output_dir = ExperimentSection.model_fields["output_dir"].default
     if not isinstance(output_dir, str):
         return None, None
     out, why = resolve_output_dir(output_dir, env, cwd)
+    job = ray_job_id(env, cwd)
+    if why and default and job != "unknown":
+        # Each job its own folder unless the user named one: two submissions of one config (or the README's
+        # command sent twice) must not meet in one run folder (the second was refused, issue #31).
+        out = os.path.join(out, job)
+        why += f", in a folder of this job's own ({job}; name experiment.output_dir to choose one)"
     return (f"experiment.output_dir={json.dumps(out)}", why) if why else (None, None)
 
 

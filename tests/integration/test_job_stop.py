@@ -104,7 +104,7 @@ def test_ray_job_stop_leaves_summary_plots_and_checkpoint_outside_working_dir(tm
                  f"--runtime-env-json={json.dumps(runtime_env)}", "--",
                  "python", "launch.py", "--config", "configs/tiny_cpu.yaml", *ARGS)
         logs = lambda: _ray_job(env, address, "logs", job, check=False)[-3000:]  # noqa: E731
-        run = out_root / "runs" / "jobstop"
+        run = out_root / "runs" / job / "jobstop"   # the default output_dir: a folder of the job's own
         metrics_file = run / "metrics.jsonl"
         deadline = time.time() + 300
         while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 5):
@@ -122,6 +122,7 @@ def test_ray_job_stop_leaves_summary_plots_and_checkpoint_outside_working_dir(tm
         assert f"outputs of this run: {run}" in text and "Ray job" in text, text[-3000:]
         summary = json.loads((run / "summary.json").read_text())
         assert summary["status"] == "stopped" and "SIGTERM" in summary["error"], summary
+        assert summary["ray_job"] == job and summary["steps"] >= 5 and summary["verified_syncs"] == summary["syncs"]
         steps = [json.loads(l)["step"] for l in metrics_file.read_text().splitlines()]
         tag, notes = find_good(checkpoint_dir(run))
         assert tag == f"step{steps[-1]}" and not notes, (tag, notes, steps[-1])

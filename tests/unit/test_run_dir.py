@@ -105,7 +105,7 @@ def test_job_output_override_reads_file_and_overrides_before_loading(tmp_path):
     env = {**JOB_ENV, OUTPUT_ENV: "/data/rl"}
     assert job_output_override(cfg, [], {"HOME": "/home/u"}, "/work") == (None, None)     # not a job
     ov, why = job_output_override(cfg, [], env, RAY_CWD)                                   # the schema default
-    assert ov == 'experiment.output_dir="/data/rl/runs"' and why
+    assert ov == 'experiment.output_dir="/data/rl/runs/raysubmit_abc"' and "raysubmit_abc" in why   # its own folder
     assert job_output_override(cfg, ["experiment.output_dir=out/x"], env, RAY_CWD)[0] == \
         'experiment.output_dir="/data/rl/out/x"'
     assert job_output_override(cfg, ["experiment.output_dir=/abs"], env, RAY_CWD) == (None, None)
@@ -114,7 +114,10 @@ def test_job_output_override_reads_file_and_overrides_before_loading(tmp_path):
     from rlhf_orch.config.loader import load_config                                        # the override loads
     real = Path(__file__).resolve().parents[2] / "configs/tiny_cpu.yaml"
     ov, _ = job_output_override(real, [], {**env, OUTPUT_ENV: str(tmp_path)}, RAY_CWD)
-    assert load_config(real, [ov]).experiment.output_dir == str(tmp_path / "runs")
+    assert load_config(real, [ov]).experiment.output_dir == str(tmp_path / "runs" / "raysubmit_abc")
+    # a job whose id is unknown (only the cwd says it is a job) keeps the plain folder
+    assert job_output_override(None, [], {OUTPUT_ENV: "/data/rl"}, RAY_CWD)[0] == \
+        'experiment.output_dir="/data/rl/runs"'
 
 
 def test_launch_refuses_a_second_live_run_of_the_same_name_before_ray(tmp_path, capsys):
