@@ -113,7 +113,8 @@ class Cluster(EngineRecovery):
                 self.engines[ename] = self._make_engine(ename)
                 self.sampling[ename] = ecfg.sampling
                 sleep_levels[ename] = ecfg.sleep_level
-        self.rewarders = start_reward_workers(cfg, name, env)   # builds builtin:tiny-rm first; a GPU only for reward.device cuda
+        # builds builtin:tiny-rm first; a GPU only for reward.device cuda; the manager replaces one that dies
+        self.rewarders, reward_workers = start_reward_workers(cfg, name, env)
         tkw = dict(zero_stage=cfg.trainer.zero_stage, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
                    grad_clip=cfg.trainer.grad_clip, bf16=cfg.trainer.bf16, algorithm=cfg.algorithm.model_dump(),
                    temperature=cfg.engines[0].sampling.temperature,
@@ -148,10 +149,10 @@ class Cluster(EngineRecovery):
                         balance_tokens=bool(cfg.trainer.max_tokens_per_micro_batch), dense_reward=cfg.reward.dense,
                         engine_stall_s=cfg.fault_tolerance.engine_stall_s,
                         health_interval_s=cfg.fault_tolerance.health_interval_s, deterministic=r.deterministic,
-                        seed=cfg.experiment.seed)
+                        seed=cfg.experiment.seed, max_reward_restarts=cfg.fault_tolerance.max_engine_restarts)
         params = {n: sampling_params(self.sampling[n], a.group_size) for n in self.engines}
         self.rollouts = RolloutManager.options(name=f"{name}-rollouts", runtime_env={"env_vars": env}).remote(
-            self.engines, self.rewarders, dataset, params, settings, self.timeline.t0)
+            self.engines, self.rewarders, dataset, params, settings, self.timeline.t0, reward_workers)
         logger.info("cluster up: %d trainer ranks, engines %s, sync plan %s", cfg.trainer.num_ranks, list(self.engines), self.plan)
 
     def _make_engine(self, ename: str, restart: int = 0):
@@ -229,6 +230,7 @@ class Cluster(EngineRecovery):
             self.sync(step - 1, resync=True)
             self.colocation.to_generate()
         self.timeline.extend(meta.pop("events"))
+        self.faults.extend(meta.pop("faults", []))   # reward workers the manager replaced in place
         return meta, refs
 
     def train(self, meta: dict, refs: list) -> dict:
@@ -444,6 +446,7 @@ class Cluster(EngineRecovery):
             # engines declared dead after the last step boundary: recorded, never replaced
             self.faults.extend({**rec, "replacement": None} for rec in
                                ray.get(self.rollouts.take_dead.remote(), timeout=30).values())
+            self.faults.extend(ray.get(self.rollouts.take_faults.remote(), timeout=30))   # reward workers replaced
         except Exception as e:
             logger.warning("rollout manager did not report its ledger: %s", str(e).splitlines()[0])
         ray.kill(self.rollouts)

@@ -7,14 +7,18 @@ folder is checked there too; the actor loads both again in its own process. `bui
 load a folder. A worker with `reward.device: cuda` asks Ray for one GPU; on cpu it asks for nothing.
 A function that raises, returns a non-finite or non-number value, or runs past `reward.timeout_s` fails the step
 with a RewardError naming the function and the offending row (batch and async functions: rlhf_orch/rewards/calls.py).
+A worker whose process dies is replaced in place by the rollout manager (`RewardWorkers.start`), which scores its
+samples again.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 
 from actors.common import setup_process
+from rlhf_orch.config.schema import RewardSection
 
 
 @ray.remote(num_cpus=0)
@@ -57,12 +61,25 @@ def resolve_reward_model(cfg) -> str | None:
     return path
 
 
-def start_reward_workers(cfg, name: str, env: dict) -> list:
-    """`reward.num_workers` RewardActors named <name>-reward-<i>, each hosting the configured reward sources."""
-    r = cfg.reward
-    model_path = resolve_reward_model(cfg)
-    resources = {"num_gpus": 1} if model_path and r.device == "cuda" else {}
-    return [RewardActor.options(name=f"{name}-reward-{i}", runtime_env={"env_vars": env}, **resources).remote(
-                r.function, model_path, r.function_weight, r.model_weight, r.device, r.batch_size, r.dtype,
-                r.batch, r.timeout_s, r.dense)
-            for i in range(r.num_workers)]
+@dataclass(frozen=True)
+class RewardWorkers:
+    """How this run starts a reward worker: the driver starts `reward.num_workers` of them, and the rollout manager a
+    replacement for one that dies (in place: issue #34), from the same typed section."""
+    section: RewardSection
+    model_path: str | None   # resolved (builtin:tiny-rm built) before any worker starts
+    run_name: str
+    env: dict
+
+    def start(self, label: str):
+        """A RewardActor named <run>-reward-<label>, hosting the configured reward sources."""
+        r = self.section
+        resources = {"num_gpus": 1} if self.model_path and r.device == "cuda" else {}
+        return RewardActor.options(name=f"{self.run_name}-reward-{label}", runtime_env={"env_vars": self.env},
+                                   **resources).remote(r.function, self.model_path, r.function_weight, r.model_weight,
+                                                       r.device, r.batch_size, r.dtype, r.batch, r.timeout_s, r.dense)
+
+
+def start_reward_workers(cfg, name: str, env: dict) -> tuple[list, RewardWorkers]:
+    """`reward.num_workers` RewardActors named <name>-reward-<i>, and how to start more (replacements)."""
+    spec = RewardWorkers(cfg.reward, resolve_reward_model(cfg), name, env)
+    return [spec.start(str(i)) for i in range(cfg.reward.num_workers)], spec

@@ -36,6 +36,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.common import setup_process
+from actors.reward import RewardWorkers
 from rlhf_orch.algorithms.base import make_algorithm
 from rlhf_orch.errors import ACTOR_DIED, EngineError, RewardError, RLHFOrchError, RolloutError
 from rlhf_orch.metrics.timeline import Timeline
@@ -49,9 +50,13 @@ logger = logging.getLogger(__name__)
 
 @ray.remote(num_cpus=0)
 class RolloutManager:
-    def __init__(self, engines: dict, rewarders: list, dataset, params: dict, settings: dict, t0: float):
+    def __init__(self, engines: dict, rewarders: list, dataset, params: dict, settings: dict, t0: float,
+                 reward_workers: RewardWorkers | None = None):
         setup_process("cpu")
         self.engines, self.rewarders, self.dataset, self.params = engines, rewarders, dataset, params
+        self.reward_workers = reward_workers   # starts a replacement for a reward worker that dies (None: restart)
+        self.reward_restarts = 0
+        self.faults: list[dict] = []           # reward workers replaced here, for the driver's summary (next_batch)
         self.s = settings
         self.algorithm = make_algorithm(settings["algorithm"])   # its outcome advantages make each step's batch
         self.sched: GroupScheduler | None = None
@@ -125,6 +130,7 @@ class RolloutManager:
                    **{f"ledger/{k}": float(v) for k, v in led.items()}}
         # `state` is what a checkpoint after this step holds (this batch counts as trained once the step completes).
         meta = {"metrics": metrics, "tokens": sb.tokens, "example": sb.example, "sources": sb.sources, "events": self.events(),
+                "faults": self.take_faults(),
                 "state": self.state()}
         return meta, [ray.put(b) for b in sb.shards]
 
@@ -171,6 +177,11 @@ class RolloutManager:
         return self.sched.ledger() if self.sched else {}
 
     # ---- engine faults (driver) -----------------------------------------------------------------------
+    def take_faults(self) -> list[dict]:
+        """Reward workers replaced here since the last call (their records for summary.json)."""
+        faults, self.faults = self.faults, []
+        return faults
+
     def take_dead(self) -> dict:
         """Engines declared dead since the last call: {name: fault record}. The driver replaces them."""
         dead, self.dead = self.dead, {}
@@ -281,6 +292,7 @@ class RolloutManager:
 
     async def _score(self, groups) -> None:
         i = min(range(len(self.rewarders)), key=lambda j: self._reward_load[j])
+        worker = self.rewarders[i]
         if self.s.get("dense_reward"):   # a dense function finds the token ids in its row (a copy per sample)
             items = [(smp.text, with_response_ids(g.prompt.row, smp.response_ids)) for g in groups for smp in g.samples]
         else:
@@ -288,9 +300,13 @@ class RolloutManager:
         self._reward_load[i] += len(items)
         t0 = time.time()
         try:
-            parts = await self.rewarders[i].score_parts.remote(items)
+            parts = await worker.score_parts.remote(items)
         except Exception as e:
-            if isinstance(e, RayActorError):   # launch.py restarts the run from its checkpoint for this one
+            if isinstance(e, RayActorError):   # replaced in place, and these groups scored again
+                if self._reward_worker_died(i, worker, e):
+                    await self._score(groups)
+                    return
+                # no replacement allowed: launch.py restarts the run from its checkpoint
                 await self._fail(RewardError(f"reward worker {i} failed while scoring: {ACTOR_DIED} "
                                              f"({str(e).splitlines()[0][:300]})"))
                 return
@@ -313,6 +329,24 @@ class RolloutManager:
         if refill and not self.sched.deterministic:   # deterministic: drawn inside next_batch, at a fixed point
             self._pump()
         await self._notify()
+
+    def _reward_worker_died(self, i: int, worker, err: Exception) -> bool:
+        """Worker `i` died while scoring: start its replacement (once, however many of its calls fail) and say
+        whether the caller may score again. False once fault_tolerance.max_engine_restarts replacements are spent."""
+        if self.rewarders[i] is not worker:   # replaced already, by another of its calls
+            return True
+        if self.reward_workers is None or self.reward_restarts >= self.s.get("max_reward_restarts", 0):
+            return False
+        self.reward_restarts += 1
+        label = f"{i}.r{self.reward_restarts}"
+        self.rewarders[i] = self.reward_workers.start(label)
+        cause = f"{ACTOR_DIED}: {str(err).splitlines()[0][:200]}"
+        self.faults.append({"engine": None, "victim": f"reward worker {i}", "t": time.time(), "phase": "scoring",
+                            "cause": cause, "replacement": f"{self.reward_workers.run_name}-reward-{label}",
+                            "recovery": "in place", "steps_redone": 0})
+        logger.error("reward worker %d died while scoring (%s): replaced in place by reward-%s; its samples are "
+                     "scored again", i, cause, label)
+        return True
 
     # ---- health ----------------------------------------------------------------------------------
     async def _engine_failed(self, name: str, cause: str, phase: str) -> None:

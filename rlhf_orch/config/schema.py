@@ -385,13 +385,13 @@ class WeightSyncSection(_Section):
 
 
 class FaultToleranceSection(_Section):
-    max_engine_restarts: int = Field(3, ge=0, description="Dead or hung engines replaced during a run; once spent the run "
-                                     "goes on with the engines left and stops only when none is left.")
+    max_engine_restarts: int = Field(3, ge=0, description="Dead or hung engines replaced during a run (and, as many, "
+                                     "dead reward workers); once spent the run goes on with the engines left.")
     engine_stall_s: float = Field(30.0, gt=0, description="An engine with work that makes no progress (no decode step, "
                                   "no finished call) for this long, or does not answer a health check, is declared hung.")
     health_interval_s: float = Field(2.0, gt=0, description="How often the rollout manager checks the engines.")
-    max_run_restarts: int = Field(2, ge=0, description="After a trainer rank, reward worker, coordinator or rollout "
-                                  "manager dies, restart the run from its latest good checkpoint at most this often.")
+    max_run_restarts: int = Field(2, ge=0, description="After a trainer rank or the rollout manager dies (or a reward "
+                                  "worker past max_engine_restarts), restart from the latest checkpoint this often.")
 
 
 class MetricsSection(_Section):
