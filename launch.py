@@ -106,6 +106,14 @@ def rl_step(cluster, cfg, step: int) -> tuple[dict, dict]:
     return m, meta
 
 
+def _recovered(faults: list[dict], step: int) -> None:
+    """Each fault (and run restart) gets the seconds from it to the first step completed after it (issue #34)."""
+    now = time.time()
+    for f in faults:
+        if "t" in f and "next_step_s" not in f and now > f["t"]:
+            f.update(next_step_s=round(now - f["t"], 3), next_step=step)
+
+
 def _last_sync(cluster) -> dict:
     """The overlapped sync still under way when a run stops, finished ({} if it fails: it is not counted verified)."""
     try:
@@ -132,7 +140,8 @@ def save_checkpoint(cluster, step: int, rollout_state: dict) -> None:
                      str(e).splitlines()[0], good)
 
 
-def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict | None = None, eval_set=None) -> dict:
+def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict | None = None, eval_set=None,
+        restarts: list[dict] | None = None) -> dict:
     """The run; fills `summary` (also when it fails: ledger, faults, where it resumed from, the last evaluation)
     and returns it. `eval_set`: rlhf_orch.evaluation.eval_set_for's (made here when not given and eval is on)."""
     import torch
@@ -184,6 +193,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
         for step in bar:
             m, meta = rl_step(cluster, cfg, step)
             records.append({"step": step, **m})
+            _recovered(cluster.faults + (restarts or []), step)
             cluster.log_rollouts(step, meta)
             rollout_state = meta["state"]   # the data cursor and untrained draws after this step
             cluster.step_boundary()         # the engines' RNGs as this step leaves them (what its checkpoint holds)
@@ -305,7 +315,7 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
     while True:
         summary: dict = {}
         try:
-            run(cfg, run_dir, model_path, tokenizer, dataset, summary, eval_set)
+            run(cfg, run_dir, model_path, tokenizer, dataset, summary, eval_set, restarts)
             summary["status"] = "finished"
             break
         except (RunStopped, KeyboardInterrupt) as e:

@@ -81,5 +81,8 @@ def test_each_killed_member_restarts_the_run_or_is_replaced_and_the_run_ends_exa
     [fault] = [f for f in summary["faults"] if f.get("victim") == "reward worker 0"]
     assert fault["recovery"] == "in place" and fault["replacement"] == "restart-reward-0.r1", fault
     assert fault["steps_redone"] == 0 and "died" in fault["cause"], fault
+    # seconds from each fault to the next completed step (issue #34): in place, a step's time; a restart, far more
+    for f in [*summary["faults"], *restarts]:
+        assert 0 < f["next_step_s"] < 120, f
     trained = [tuple(s) for l in (run / "rollouts.jsonl").read_text().splitlines() for s in json.loads(l)["sources"]]
     assert len(trained) == 20 * 16 and len(set(trained)) == len(trained)
