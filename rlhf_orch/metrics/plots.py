@@ -3,8 +3,9 @@
 `plot_run` takes the records of `read_jsonl(metrics.jsonl)` and writes reward, phase-time and
 weight-sync charts. The reward chart gets a second panel for evaluations (eval/ reward, pass@1, pass@k) when the
 records have them. The phase-time chart gets a second panel for the trainer when the records have its
-throughput metrics: training tokens/s, and MFU, padding fraction and rank imbalance as fractions. Records missing a key (or holding None/NaN for it) are skipped for that series
-only, so partial and resumed runs plot fine.
+throughput metrics: training tokens/s, and MFU, padding fraction and rank imbalance as fractions. Records missing a
+key (or holding None/NaN for it) are skipped for that series only, so partial and resumed runs plot fine. Long runs
+stay readable: past a few hundred steps a series is drawn as faint points under a rolling mean (`_trend`).
 
 What it deliberately does not do: read files (callers pass records), show windows, or import
 matplotlib at module import time -- it selects the non-interactive "Agg" backend and imports
@@ -51,6 +52,21 @@ def _series(pairs: list[tuple[int, dict]], key: str) -> tuple[list[int], list[fl
             xs.append(step)
             ys.append(value)
     return xs, ys
+
+
+# Above this many points a per-step line with markers is an unreadable zigzag (600 syncs, a padding fraction that
+# alternates between two values): the raw points go faint and a rolling mean carries the line.
+_MAX_RAW = 200
+
+
+def _trend(ax, xs: list, ys: list, color: str, label: str) -> list:
+    """A series as a line with markers, or, past _MAX_RAW points, faint raw points under a rolling mean (a window of
+    2% of the points). Returns the legend handles."""
+    if len(xs) <= _MAX_RAW:
+        return ax.plot(xs, ys, color=color, marker=".", label=label)
+    window = max(2, round(0.02 * len(xs)))
+    ax.scatter(xs, ys, s=2, alpha=0.15, color=color, linewidths=0)
+    return ax.plot(xs, _moving_average(ys, window), color=color, linewidth=1.5, label=f"{label} ({window}-step mean)")
 
 
 def _moving_average(ys: list[float], window: int) -> list[float]:
@@ -166,7 +182,7 @@ def _trainer_panel(ax, pairs) -> None:
     handles = []
     xs, ys = _series(pairs, "train/tokens_per_s")
     if xs:
-        handles += ax.plot(xs, ys, color="C0", marker=".", label="train tokens/s")
+        handles += _trend(ax, xs, ys, "C0", "train tokens/s")
     ax.set_ylabel("tokens/s", color="C0")
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
@@ -174,7 +190,7 @@ def _trainer_panel(ax, pairs) -> None:
     for i, key in enumerate(_TRAINER_KEYS[1:]):
         fx, fy = _series(pairs, key)
         if fx:
-            handles += ax2.plot(fx, fy, color=f"C{i + 1}", marker=".", label=key[len("train/"):])
+            handles += _trend(ax2, fx, fy, f"C{i + 1}", key[len("train/"):])
     ax2.set_ylabel("fraction")
     ax2.set_ylim(bottom=0)
     ax.set_title("Trainer throughput")
@@ -207,12 +223,12 @@ def _plot_sync(plt, pairs, out_dir: Path) -> Path | None:
     try:
         handles = []
         if txs:
-            handles += ax.plot(txs, tys, color="C0", marker=".", label=tlabel)
+            handles += _trend(ax, txs, tys, "C0", tlabel)
         ax.set_xlabel("step")
         ax.set_ylabel("seconds", color="C0")
         if gxs:
             ax2 = ax.twinx()  # throughput has different units and scale than duration
-            handles += ax2.plot(gxs, gys, color="C1", marker=".", label="throughput (GB/s)")
+            handles += _trend(ax2, gxs, gys, "C1", "throughput (GB/s)")
             ax2.set_ylabel("GB/s", color="C1")
         ax.set_title("Weight sync")
         ax.grid(alpha=0.3)

@@ -224,6 +224,27 @@ def test_plot_run_many_steps_uses_area_chart(tmp_path):
         _assert_png(p)
 
 
+def test_long_series_are_faint_points_under_a_rolling_mean():
+    """Issue #31: 600 syncs drawn as lines with markers were an unreadable zigzag; past _MAX_RAW points a series is
+    faint points plus one rolling-mean line (its legend says the window); short series keep their markers."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from rlhf_orch.metrics.plots import _MAX_RAW, _trend
+    fig, ax = plt.subplots()
+    try:
+        xs = list(range(1, 601))
+        ys = [0.15 if x % 2 else 0.25 for x in xs]          # a padding fraction alternating every step
+        [line] = _trend(ax, xs, ys, "C0", "padding")
+        assert "12-step mean" in line.get_label() and line.get_marker() in (None, "None", "")
+        assert max(line.get_ydata()[20:]) - min(line.get_ydata()[20:]) < 0.01   # a flat line, not a band
+        assert len(ax.collections) == 1 and ax.collections[0].get_alpha() < 0.5   # the raw points, faint
+        [short] = _trend(ax, xs[:_MAX_RAW], ys[:_MAX_RAW], "C1", "short")
+        assert short.get_marker() == "." and short.get_label() == "short"
+    finally:
+        plt.close(fig)
+
+
 # ---------------------------------------------------------------- Ray metrics
 
 @pytest.mark.parametrize("key, expected", [
