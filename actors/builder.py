@@ -21,8 +21,7 @@ from actors.ray_session import init_ray
 from actors.recovery import EngineRecovery
 from actors.roles import critic_kwargs, reference_kwargs, start_role_groups
 from actors.reward import start_reward_workers
-from actors.rollout import RolloutActor, sampling_params
-from actors.rollout_manager import RolloutManager
+from actors.rollout import RolloutActor
 from actors.trainer import TrainerGroup
 from rlhf_orch.checkpoint import (checkpoint_dir, commit, find_good, read_rl_state, staging_dir, truncate_metrics,
                                   write_rl_state)
@@ -30,7 +29,6 @@ from rlhf_orch.config import engine_names
 from rlhf_orch.config.checks import engines_that_cannot_stop
 from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError
 from rlhf_orch.metrics.timeline import Timeline
-from rlhf_orch.rollout.scheduler import whole_run_ledger
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +49,9 @@ class Cluster(EngineRecovery):
         self.cfg, self.run_dir, self.timeout = cfg, Path(run_dir), cfg.ray.get_timeout_s
         self.placement, self.sinks = None, None
         self.trainers, self.coordinator, self.engines, self.rewarders = None, None, {}, []
-        self.coordinator_restarts = 0       # weight-sync coordinators replaced in place (actors/recovery.py)
+        self.coordinator_restarts = self.manager_restarts = 0   # replaced in place (actors/recovery.py)
+        self.served_step, self.boundary_state = 0, {}   # the manager's last batch, and its state after it
+        self.ledger_base: dict = {}         # the ledger of earlier segments and of dead managers (whole_run_ledger)
         self.references = self.critics = None   # separate role groups (actors/roles.py), when configured
         self.rollouts, self.final_ledger = None, {}
         self.faults: list[dict] = []        # engine faults and what was done about them (summary.json)
@@ -91,6 +91,7 @@ class Cluster(EngineRecovery):
             if tag is not None:
                 state, tensors = read_rl_state(checkpoint_dir(self.run_dir) / tag)
                 self.resume_from = (tag, state, tensors)
+                self.ledger_base = state.get("rollout", {}).get("ledger", {})
                 self.history = truncate_metrics(self.run_dir / "metrics.jsonl", state["step"])
                 truncate_metrics(self.run_dir / "rollouts.jsonl", state["step"])
         self.sinks = self._sinks()
@@ -150,9 +151,8 @@ class Cluster(EngineRecovery):
                         engine_stall_s=cfg.fault_tolerance.engine_stall_s,
                         health_interval_s=cfg.fault_tolerance.health_interval_s, deterministic=r.deterministic,
                         seed=cfg.experiment.seed, max_reward_restarts=cfg.fault_tolerance.max_engine_restarts)
-        params = {n: sampling_params(self.sampling[n], a.group_size) for n in self.engines}
-        self.rollouts = RolloutManager.options(name=f"{name}-rollouts", runtime_env={"env_vars": env}).remote(
-            self.engines, self.rewarders, dataset, params, settings, self.timeline.t0, reward_workers)
+        self._manager_args = (dataset, settings, reward_workers)
+        self._start_manager(f"{name}-rollouts")
         logger.info("cluster up: %d trainer ranks, engines %s, sync plan %s", cfg.trainer.num_ranks, list(self.engines), self.plan)
 
     def _make_engine(self, ename: str, restart: int = 0):
@@ -203,15 +203,19 @@ class Cluster(EngineRecovery):
         resumed run's untrained draws first. `overrides`: rollout settings for these steps (benchmarks)."""
         pending = (resumed or {}).get("rollout", {}).get("pending")
         if resumed:
-            self._rget(self.rollouts.restore_data.remote(resumed["data"]), "rollout manager")
+            self._manager("restore_data", resumed["data"])
         if "max_staleness" in overrides or "partial_rollouts" in overrides:   # as config/checks.py resolves "auto"
             r, stale = self.cfg.rollout, overrides.get("max_staleness", self.cfg.rollout.max_staleness)
             self.max_staleness = stale
             auto = "abort" if stale >= 1 and not r.deterministic and not engines_that_cannot_stop(self.cfg) else "wait"
             self.pause_mode = ("keep" if overrides.pop("partial_rollouts", False) else
                                r.running_requests if "running_requests" in r.model_fields_set else auto)
-        self._rget(self.rollouts.start.remote(first_step, last_step or self.cfg.experiment.steps, version, pending,
-                                              overrides), "rollout manager to start")
+        self._manager_plan = (last_step or self.cfg.experiment.steps, overrides)
+        self._rget(self.rollouts.start.remote(first_step, self._manager_plan[0], version, pending, overrides),
+                   "rollout manager to start")
+        self.served_step = first_step - 1   # the manager's state from here, for a replacement (actors/recovery.py)
+        self.boundary_state = self._manager("state")
+        self.step_boundary()
 
     def next_batch(self, step: int):
         """(metadata, per-rank object refs) of step `step`; tells the manager the engines hold version step-1 (it
@@ -221,8 +225,14 @@ class Cluster(EngineRecovery):
             self.admit_ready()                # replacements verified since the last batch, now awake
             ref = self.rollouts.next_batch.remote(step, self.timeout)
             self.overlap.wait_for(ref)        # a failed overlapped sync holds its engines paused: recover it now
-            meta, refs = self._rget(ref, f"the batch of step {step}", self.timeout + 30)
+            try:
+                meta, refs = self._rget(ref, f"the batch of step {step}", self.timeout + 30)
+            except RolloutError as err:       # a dead manager is replaced in place, and asked again
+                if not self._manager_died(err, mid_batch=True):
+                    raise
+                continue
             if "need_engines" not in meta:
+                self.served_step, self.boundary_state = step, meta["state"]
                 break
             logger.warning("no live engine for step %d (dead: %s): replacing now", step, meta["need_engines"])
             self.replace_dead_engines()       # before any hand-over: the dead engine must not be asked to sleep
@@ -429,27 +439,6 @@ class Cluster(EngineRecovery):
             logger.warning("no final checkpoint: a trainer rank does not answer (%s); the latest one stays in charge",
                            str(e).splitlines()[0][:200])
             return False
-
-    def _whole_ledger(self, ledger: dict) -> dict:
-        """This segment's ledger over the one its checkpoint saved: one ledger for all segments of the run."""
-        return whole_run_ledger(self.resume_from[1].get("rollout", {}).get("ledger", {}) if self.resume_from else {},
-                                ledger)
-
-    def _stop_rollouts(self) -> None:
-        """Collect the manager's last timeline events and ledger, then stop it (before the engines go)."""
-        self.final_ledger = {}
-        if self.rollouts is None:
-            return
-        try:
-            self.timeline.extend(ray.get(self.rollouts.events.remote(), timeout=30))
-            self.final_ledger = self._whole_ledger(ray.get(self.rollouts.ledger.remote(), timeout=30))
-            # engines declared dead after the last step boundary: recorded, never replaced
-            self.faults.extend({**rec, "replacement": None} for rec in
-                               ray.get(self.rollouts.take_dead.remote(), timeout=30).values())
-            self.faults.extend(ray.get(self.rollouts.take_faults.remote(), timeout=30))   # reward workers replaced
-        except Exception as e:
-            logger.warning("rollout manager did not report its ledger: %s", str(e).splitlines()[0])
-        ray.kill(self.rollouts)
 
     def _write_timeline(self, records: list[dict]) -> None:
         from rlhf_orch.metrics import plot_staleness, plot_timeline

@@ -10,8 +10,11 @@ summary.json.
 
 The weight-sync coordinator holds nothing that cannot be rebuilt (the plan, the bucket layouts, the sync count): when
 it dies, a replacement is started in place, makes the plan and the groups again with the live trainer ranks and
-engines, and re-runs the sync that failed (issue #34). It does not restart trainers or reward workers: launch.py
-restarts the whole run from its latest checkpoint for those.
+engines, and re-runs the sync that failed (issue #34). The rollout manager too: every batch it hands over carries its
+state after that batch (data cursor, draws not trained yet, ledger), so a replacement continues from the last one, its
+lost generations drawn again (`_manager_died`; the engines' sampling RNGs set back where they can be, so an on-policy
+run samples as it would have). Reward workers are replaced by the manager itself (actors/rollout_manager.py). Trainer
+ranks are not replaced here: launch.py restarts the whole run from its latest checkpoint for those.
 """
 from __future__ import annotations
 
@@ -23,15 +26,18 @@ import ray
 from actors.common import get
 from actors.coordinator import WeightSyncCoordinator
 from actors.rollout import sampling_params
-from rlhf_orch.errors import EngineError, WeightSyncError, is_actor_death
+from actors.rollout_manager import RolloutManager
+from rlhf_orch.errors import EngineError, RolloutError, WeightSyncError, is_actor_death
+from rlhf_orch.rollout.scheduler import whole_run_ledger
 
 logger = logging.getLogger(__name__)
 
 
 class EngineRecovery:
-    """Needs from the Cluster: cfg, env, trainers, engines, slots, sampling, colocation, coordinator, rollouts, timeout,
-    sync_timeout, plan, timeline, faults, unadmitted, ready, engine_restarts, coordinator_restarts, _rget and
-    _make_engine."""
+    """Needs from the Cluster: cfg, env, trainers, engines, rewarders, slots, sampling, colocation, coordinator,
+    rollouts, timeout, sync_timeout, plan, timeline, faults, unadmitted, ready, engine_restarts, coordinator_restarts,
+    manager_restarts, served_step, boundary_state, boundary_rngs, ledger_base, final_ledger, _manager_args,
+    _manager_plan, _rget and _make_engine."""
 
     def _engines_died(self, err: Exception, phase: str) -> bool:
         """After a failed hand-over or sync: find the dead engines (a short health check each), tell the manager (it
@@ -49,7 +55,7 @@ class EngineRecovery:
                                     **mid_sync})
             return False
         for name, cause in dead.items():
-            self._rget(self.rollouts.engine_died.remote(name, cause, phase), "rollout manager")
+            self._manager("engine_died", name, cause, phase)
         logger.error("engine(s) %s died (seen in %s: %s); replacing", sorted(dead), phase, str(err).splitlines()[0][:200])
         n = len(self.faults)
         self.replace_dead_engines()
@@ -66,6 +72,83 @@ class EngineRecovery:
         # Parameter specs and group creation: the configured deadline, else the model's (known only after the specs).
         info = get(self.coordinator.setup.remote(), ws.timeout_s or self.timeout, "weight-sync setup", WeightSyncError)
         self.sync_timeout, self.plan = info["timeout_s"], info["plan"]
+
+    # ---- the rollout manager, replaced in place ------------------------------------------------------------
+    def _start_manager(self, name: str) -> None:
+        """The rollout manager over the live engines and reward workers (its settings made once, in Cluster._build)."""
+        dataset, settings, reward_workers = self._manager_args
+        params = {n: sampling_params(self.sampling[n], self.cfg.algorithm.group_size) for n in self.engines}
+        self.rollouts = RolloutManager.options(name=name, runtime_env={"env_vars": self.env}).remote(
+            self.engines, self.rewarders, dataset, params, settings, self.timeline.t0, reward_workers)
+
+    def _manager(self, method: str, *args):
+        """A call to the rollout manager; if it died, it is replaced in place and the call made again."""
+        try:
+            return self._rget(getattr(self.rollouts, method).remote(*args), f"rollout manager ({method})")
+        except RolloutError as err:
+            if not self._manager_died(err):
+                raise
+            return self._rget(getattr(self.rollouts, method).remote(*args), f"rollout manager ({method})")
+
+    def _manager_died(self, err: Exception, mid_batch: bool = False) -> bool:
+        """After a failed call to the rollout manager: if its process is gone, start a replacement that continues from
+        the state the dead one handed over with its last batch (data cursor, the draws not trained yet, the ledger).
+        Its generations under way are dropped: their prompts are drawn again. `mid_batch`: it died while serving a
+        batch; where the engines can save their sampling RNG (max_staleness 0), they are set back to the step's start
+        once its orphaned calls ended, so the step samples as it would have. True if replaced."""
+        if not is_actor_death(err):
+            return False
+        try:
+            ray.get(self.rollouts.health.remote(), timeout=min(10.0, self.cfg.fault_tolerance.engine_stall_s))
+            return False
+        except Exception:
+            pass
+        t0 = time.time()
+        self.manager_restarts += 1
+        name = f"{self.cfg.experiment.name}-rollouts.r{self.manager_restarts}"
+        logger.error("the rollout manager died (%s); starting %s in place from the state after step %d",
+                     str(err).splitlines()[0][:200], name, self.served_step)
+        exact = False
+        if mid_batch and self.boundary_rngs:
+            idle = get([e.wait_idle.remote(self.timeout) for e in self.engines.values()], self.timeout + 10,
+                       "engines to end the dead manager's calls", EngineError)
+            rngs = {n: self.boundary_rngs.get(self.slots[n]["base"]) for n in self.engines}
+            get([e.set_rng_state.remote(rngs[n]) for n, e in self.engines.items()], self.timeout,
+                "engine RNGs set back", EngineError)
+            exact = all(idle) and all(v is not None for v in rngs.values())
+        state = self.boundary_state
+        self.ledger_base = whole_run_ledger(self.ledger_base, state.get("ledger", {}))   # the dead one's, once
+        self._start_manager(name)
+        self._rget(self.rollouts.restore_data.remote(state["data"]), "rollout manager (restore)")
+        last, overrides = self._manager_plan
+        first = self.served_step + 1
+        self._rget(self.rollouts.start.remote(first, last, first - 1, state["pending"], overrides),
+                   "rollout manager to start")
+        self.faults.append({"engine": None, "victim": "rollout manager", "phase": "batch" if mid_batch else "step",
+                            "t": t0, "cause": str(err).splitlines()[0][:300], "replacement": name,
+                            "recovery": "in place", "replaced_s": round(time.time() - t0, 3), "steps_redone": 0,
+                            "draws_requeued": len(state["pending"]), "engine_rngs_set_back": exact})
+        return True
+
+    def _whole_ledger(self, ledger: dict) -> dict:
+        """This manager's ledger over the one its checkpoint saved (and dead managers'): one ledger for the run."""
+        return whole_run_ledger(self.ledger_base, ledger)
+
+    def _stop_rollouts(self) -> None:
+        """Collect the manager's last timeline events and ledger, then stop it (before the engines go)."""
+        self.final_ledger = {}
+        if self.rollouts is None:
+            return
+        try:
+            self.timeline.extend(ray.get(self.rollouts.events.remote(), timeout=30))
+            self.final_ledger = self._whole_ledger(ray.get(self.rollouts.ledger.remote(), timeout=30))
+            # engines declared dead after the last step boundary: recorded, never replaced
+            self.faults.extend({**rec, "replacement": None} for rec in
+                               ray.get(self.rollouts.take_dead.remote(), timeout=30).values())
+            self.faults.extend(ray.get(self.rollouts.take_faults.remote(), timeout=30))   # reward workers replaced
+        except Exception as e:
+            logger.warning("rollout manager did not report its ledger: %s", str(e).splitlines()[0])
+        ray.kill(self.rollouts)
 
     def _coordinator_died(self, err: Exception, version: int) -> bool:
         """After a failed sync: if the coordinator itself is dead, start a replacement in place (its plan and groups
@@ -112,7 +195,7 @@ class EngineRecovery:
         """Start a replacement on the same placement bundle for every engine the manager declared dead (while
         fault_tolerance.max_engine_restarts lasts), and re-plan the weight sync with every live engine. Returns the
         replacements' names; they take work only after a verified sync (`_synced_replacements`, `admit_ready`)."""
-        dead = self._rget(self.rollouts.take_dead.remote(), "rollout manager (dead engines)")
+        dead = self._manager("take_dead")
         if not dead:
             return []
         ft, new = self.cfg.fault_tolerance, []
@@ -177,7 +260,7 @@ class EngineRecovery:
         names, self.ready = [n for n in self.ready if n in self.engines], []
         for n in names:
             params = sampling_params(self.sampling[n], self.cfg.algorithm.group_size)
-            self._rget(self.rollouts.add_engine.remote(n, self.engines[n], params), "rollout manager (add engine)")
+            self._manager("add_engine", n, self.engines[n], params)
             for f in self.faults:
                 if f.get("replacement") == n:
                     f["serving_t"] = time.time()

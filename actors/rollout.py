@@ -39,6 +39,7 @@ class RolloutActor:
         self._next_ticket = 0    # rollout.deterministic: the dispatch number of the next call to serve
         self._max_admitted = -1  # the highest ticket past the sync gate
         self._awaiting = 0     # generate calls waiting for the weights they were dispatched under (a sync under way)
+        self._calls = 0        # generate calls here, from arrival to return (wait_idle)
         self._calls_done = 0   # finished generate calls: with the engine's decode steps, the health check's progress
         self._concurrent = bool(getattr(self.engine, "concurrent_generate", False))
         self.abort_flag: AbortFlag | None = None   # made at setup_receiver: the coordinator's abort_sync ends a sync
@@ -58,8 +59,28 @@ class RolloutActor:
                 "paused": self._syncing or asleep or self._awaiting > 0, "syncing": self._syncing,
                 "reports_steps": bool(getattr(self.engine, "reports_decode_steps", False))}
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no generate call is here, running or queued (a replaced rollout manager's orphaned calls end
+        before the engine's sampling RNG is set back); False after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._gate:
+            while self._calls and time.monotonic() < deadline:
+                self._gate.wait(0.05)
+            return not self._calls
+
     def generate(self, prompts: list[list[int]], params: SamplingParams, ticket: int | None = None,
                  version: int | None = None):
+        """Samples and timing of one call (`_generate`), counted while it is here (`wait_idle`)."""
+        with self._gate:
+            self._calls += 1
+        try:
+            return self._generate(prompts, params, ticket, version)
+        finally:
+            with self._gate:
+                self._calls -= 1
+                self._gate.notify_all()
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, ticket: int | None, version: int | None):
         """Samples and timing of one call. Calls arriving during a sync wait for its end. `ticket` (the manager's
         dispatch number for this engine, rollout.deterministic) makes calls enter in dispatch order, and a ticketed
         call counts for a "wait" pause from its arrival, queued or not: a sync then waits for every call dispatched
