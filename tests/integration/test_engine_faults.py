@@ -23,23 +23,12 @@ import ray
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
+from bench.recovery import kill_in_turn, pid_of  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 COMMON = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false",
           "trainer.warm_start_steps=0", "experiment.log_samples_every=0",
           "engines.0.decode_delay_s=0.005", "engines.1.decode_delay_s=0.005"]
-
-
-def _pid_of(suffix: str) -> int | None:
-    """The pid of the live actor whose name ends with `suffix` (engines and trainer ranks report it in their
-    health check; Ray's state API is too slow to catch a short run)."""
-    names = [n for n in ray.util.list_named_actors() if n.endswith(suffix)]
-    if not names:
-        return None
-    try:
-        return ray.get(ray.get_actor(names[0]).health.remote(), timeout=30)["pid"]
-    except Exception:
-        return None
 
 
 def _fault_at(run_dir: Path, step: int, sig: int, actor_suffix: str, out: dict) -> threading.Thread:
@@ -55,7 +44,7 @@ def _fault_at(run_dir: Path, step: int, sig: int, actor_suffix: str, out: dict) 
         deadline, pid = time.time() + 300, None
         while time.time() < deadline:
             if pid is None and ray.is_initialized():   # look the process up early (before the step comes)
-                pid = _pid_of(actor_suffix)
+                pid = pid_of(actor_suffix)
             if pid and metrics.exists() and len(metrics.read_text().splitlines()) >= step:
                 break
             time.sleep(0.05)
@@ -158,31 +147,6 @@ def test_engine_without_progress_is_declared_hung_and_restarts_are_bounded(tmp_p
     assert records[-1]["fault/engines_live"] == 1 and records[-1]["fault/engine_restarts"] == 1
 
 
-def _kill_in_syncs(run: Path, plan: list[tuple[str, str, int]], info: list) -> threading.Thread:
-    """Kill each victim (actor-name suffix) in turn, once `step` steps are done and the sync it must land in is under
-    way: `watch` (an engine's actor-name suffix) reports `paused`, which only a sync makes it (no engine sleeps here)."""
-    def go():
-        metrics, deadline = run / "metrics.jsonl", time.time() + 600
-        try:
-            for victim, watch, step in plan:
-                while time.time() < deadline:
-                    lines = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-                    if lines >= step and ray.is_initialized():
-                        names = [n for n in ray.util.list_named_actors() if n.endswith(watch)]
-                        if names and ray.get(ray.get_actor(names[0]).health.remote(), timeout=10)["paused"]:
-                            pid = _pid_of(victim)
-                            info.append({"victim": victim, "pid": pid, "t": time.time(), "after_step": lines})
-                            os.kill(pid, signal.SIGKILL)
-                            break
-                    time.sleep(0.02)
-        except Exception as e:
-            info.append({"error": repr(e)})
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    return t
-
-
 def test_a_member_killed_during_a_weight_sync_is_abandoned_by_the_others_at_once(tmp_path):
     """Issue #33 (and #17 before it). Each kind of sync member is SIGKILLed while a sync is in flight, in one run:
     the colocated engine (ipc), then the dedicated one (broadcast), then trainer rank 0 (the sender). Every engine
@@ -193,9 +157,9 @@ def test_a_member_killed_during_a_weight_sync_is_abandoned_by_the_others_at_once
     ends with every step once."""
     run = tmp_path / "midsync"
     info: list = []
-    killer = _kill_in_syncs(run, [("-engine-colocated", "-engine-dedicated", 3),
-                                  ("-engine-dedicated", "-engine-colocated.r1", 6),
-                                  ("-trainer-0", "-engine-colocated.r1", 10)], info)
+    killer = kill_in_turn(run, [("-engine-colocated", 3, "-engine-dedicated"),
+                                ("-engine-dedicated", 6, "-engine-colocated.r1"),
+                                ("-trainer-0", 10, "-engine-colocated.r1")], info, poll_s=0.02)
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                       "experiment.name=midsync", "experiment.steps=12", "trainer.checkpoint_every=4", *COMMON,
                       "engines.0.sync_delay_s=1.0", "engines.1.sync_delay_s=1.0"])
@@ -231,7 +195,7 @@ def test_an_engine_killed_during_an_overlapped_sync_is_replaced_from_the_staged_
     again to both, and the run finishes with every step once and every sync verified."""
     run = tmp_path / "overlap_kill"
     info: list = []
-    killer = _kill_in_syncs(run, [("-engine-dedicated", "-engine-dedicated", 3)], info)
+    killer = kill_in_turn(run, [("-engine-dedicated", 3, "-engine-dedicated")], info, poll_s=0.02)
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                       "experiment.name=overlap_kill", "experiment.steps=8", "rollout.max_staleness=1",
                       "metrics.plots=false", *COMMON, "engines.1.sync_delay_s=1.0"])

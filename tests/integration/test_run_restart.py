@@ -8,57 +8,27 @@ steps match the synchronous-loop baseline recorded before the rollout manager ex
 (tests/data/tiny_cpu_20steps_baseline.json) to 1e-6; summary.json lists every restart and each in-place repair.
 (Each victim used to get a run of its own: five runs, ~160 s on the CI machine.)"""
 import json
-import os
-import signal
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
 import launch  # noqa: E402
 from baselines import baseline  # noqa: E402
-from test_engine_faults import _pid_of  # noqa: E402
+from bench.recovery import kill_in_turn  # noqa: E402   (the benchmark's, one copy)
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
-
-
 VICTIMS = [("-trainer-1", 4), ("-reward-0", 8), ("-weight-sync", 10), ("-reference-1", 13), ("-rollouts", 17)]
-
-
-def _kill_in_turn(run: Path, plan: list, info: list) -> threading.Thread:
-    """SIGKILL each (actor-name suffix, step) in turn once metrics.jsonl has `step` lines (a restart truncates it to its
-    checkpoint, so every kill lands in the segment after the one before)."""
-    def go():
-        metrics, deadline = run / "metrics.jsonl", time.time() + 600
-        try:
-            for victim, step in plan:
-                while time.time() < deadline:
-                    if metrics.exists() and len(metrics.read_text().splitlines()) >= step:
-                        pid = _pid_of(victim)
-                        if pid:
-                            info.append({"victim": victim, "pid": pid, "step": step})
-                            os.kill(pid, signal.SIGKILL)
-                            break
-                    time.sleep(0.05)
-        except Exception as e:
-            info.append({"error": repr(e)})
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    return t
 
 
 def test_each_killed_member_restarts_the_run_or_is_replaced_and_the_run_ends_exactly(tmp_path):
     base = baseline("tiny_cpu_20steps")
     info: list = []
     run = tmp_path / "restart"
-    killer = _kill_in_turn(run, VICTIMS, info)
+    killer = kill_in_turn(run, VICTIMS, info)
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                       "experiment.name=restart", "experiment.steps=20", "trainer.checkpoint_every=3",
                       "fault_tolerance.max_run_restarts=2", "reference.placement=separate", "reference.num_workers=2",
