@@ -228,8 +228,8 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
         # with weight_sync.overlap a step's record holds the previous step's sync, and the last one is `tail`.
         summary.update(syncs=syncs + len(records),
                        verified_syncs=verified + sum(int(r.get("sync/checksum_ok") == 1.0) for r in records + [tail or {}]))
-        if cluster is not None:
-            summary["transports"] = cluster.plan
+        if cluster is not None:   # by slot: a replaced engine ("dedicated.r1") under its slot's name
+            summary["transports"] = {cluster.slots.get(n, {}).get("base", n): t for n, t in (cluster.plan or {}).items()}
         if _IN_STEP:   # failed after this step began training: no checkpoint may label its update as the step before
             logger.warning("final checkpoint skipped: the trainers may already hold step %d's update, which did not "
                            "complete; a resume starts from the latest periodic checkpoint", _IN_STEP[0])
