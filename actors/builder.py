@@ -143,15 +143,7 @@ class Cluster(EngineRecovery):
         get([r.score.remote([]) for r in self.rewarders], self.timeout, "reward workers to start", RewardError)
         self._start_coordinator(f"{name}-weight-sync")
         stage("reward workers up, weight-sync groups made")
-        a, r = cfg.algorithm, cfg.rollout
-        settings = dict(prompts_per_step=cfg.data.prompts_per_step, group_size=a.group_size, max_staleness=r.max_staleness,
-                        dispatch_groups=r.dispatch_groups, filter_groups=r.filter_groups, filter_max_draws=r.filter_max_draws,
-                        algorithm=a.model_dump(), pad_id=pad_id, num_ranks=cfg.trainer.num_ranks,
-                        balance_tokens=bool(cfg.trainer.max_tokens_per_micro_batch), dense_reward=cfg.reward.dense,
-                        engine_stall_s=cfg.fault_tolerance.engine_stall_s,
-                        health_interval_s=cfg.fault_tolerance.health_interval_s, deterministic=r.deterministic,
-                        seed=cfg.experiment.seed, max_reward_restarts=cfg.fault_tolerance.max_engine_restarts)
-        self._manager_args = (dataset, settings, reward_workers)
+        self._manager_args = (dataset, pad_id, reward_workers)   # the manager reads its sections of cfg
         self._start_manager(f"{name}-rollouts")
         logger.info("cluster up: %d trainer ranks, engines %s, sync plan %s", cfg.trainer.num_ranks, list(self.engines), self.plan)
 
@@ -200,18 +192,20 @@ class Cluster(EngineRecovery):
     def start_rollouts(self, first_step: int, version: int, resumed: dict | None, last_step: int | None = None,
                        **overrides) -> None:
         """The manager serves steps first_step..last_step (default: the run's last) with engines at `version`; a
-        resumed run's untrained draws first. `overrides`: rollout settings for these steps (benchmarks)."""
+        resumed run's untrained draws first. `overrides`: rollout fields for these steps (benchmarks)."""
         pending = (resumed or {}).get("rollout", {}).get("pending")
         if resumed:
             self._manager("restore_data", resumed["data"])
-        if "max_staleness" in overrides or "partial_rollouts" in overrides:   # as config/checks.py resolves "auto"
-            r, stale = self.cfg.rollout, overrides.get("max_staleness", self.cfg.rollout.max_staleness)
+        rollout = None
+        if overrides:   # the rollout section for these steps
+            r, rollout = self.cfg.rollout, self.cfg.rollout.model_copy(update=overrides)
+            stale = rollout.max_staleness
             self.max_staleness = stale
             auto = "abort" if stale >= 1 and not r.deterministic and not engines_that_cannot_stop(self.cfg) else "wait"
-            self.pause_mode = ("keep" if overrides.pop("partial_rollouts", False) else
+            self.pause_mode = ("keep" if rollout.partial_rollouts else   # as config/checks.py resolves "auto"
                                r.running_requests if "running_requests" in r.model_fields_set else auto)
-        self._manager_plan = (last_step or self.cfg.experiment.steps, overrides)
-        self._rget(self.rollouts.start.remote(first_step, self._manager_plan[0], version, pending, overrides),
+        self._manager_plan = (last_step or self.cfg.experiment.steps, rollout)
+        self._rget(self.rollouts.start.remote(first_step, self._manager_plan[0], version, pending, rollout),
                    "rollout manager to start")
         self.served_step = first_step - 1   # the manager's state from here, for a replacement (actors/recovery.py)
         self.boundary_state = self._manager("state")

@@ -76,10 +76,10 @@ class EngineRecovery:
     # ---- the rollout manager, replaced in place ------------------------------------------------------------
     def _start_manager(self, name: str) -> None:
         """The rollout manager over the live engines and reward workers (its settings made once, in Cluster._build)."""
-        dataset, settings, reward_workers = self._manager_args
+        dataset, pad_id, reward_workers = self._manager_args
         params = {n: sampling_params(self.sampling[n], self.cfg.algorithm.group_size) for n in self.engines}
         self.rollouts = RolloutManager.options(name=name, runtime_env={"env_vars": self.env}).remote(
-            self.engines, self.rewarders, dataset, params, settings, self.timeline.t0, reward_workers)
+            self.engines, self.rewarders, dataset, params, self.cfg, pad_id, self.timeline.t0, reward_workers)
 
     def _manager(self, method: str, *args):
         """A call to the rollout manager; if it died, it is replaced in place and the call made again."""
@@ -120,9 +120,9 @@ class EngineRecovery:
         self.ledger_base = whole_run_ledger(self.ledger_base, state.get("ledger", {}))   # the dead one's, once
         self._start_manager(name)
         self._rget(self.rollouts.restore_data.remote(state["data"]), "rollout manager (restore)")
-        last, overrides = self._manager_plan
+        last, rollout = self._manager_plan
         first = self.served_step + 1
-        self._rget(self.rollouts.start.remote(first, last, first - 1, state["pending"], overrides),
+        self._rget(self.rollouts.start.remote(first, last, first - 1, state["pending"], rollout),
                    "rollout manager to start")
         self.faults.append({"engine": None, "victim": "rollout manager", "phase": "batch" if mid_batch else "step",
                             "t": t0, "cause": str(err).splitlines()[0][:300], "replacement": name,

@@ -9,7 +9,7 @@ here to the ranks through the object store, never through the driver.
 The decisions (admission, deadlines, dispatch, batch choice, ledger) are rlhf_orch.rollout.scheduler's; this
 shell only awaits engines and reward workers (an asyncio actor: one event loop, no locks).
 
-Deterministic mode (rollout.deterministic: `settings["deterministic"]`): the scheduler fills batches in draw order
+Deterministic mode (rollout.deterministic): the scheduler fills batches in draw order
 and rotates chunks over the engines; here every generate call carries its engine's dispatch number (`ticket`: the
 engine serves them in that order) and the weight version it was dispatched under, groups sample from seeds of their own
 (experiment seed, gid, attempt) when max_staleness >= 1, new groups are drawn only inside `next_batch` (after every
@@ -37,6 +37,7 @@ from ray.exceptions import RayActorError
 
 from actors.common import setup_process
 from actors.reward import RewardWorkers
+from rlhf_orch.config.schema import ExperimentConfig, RolloutSection
 from rlhf_orch.algorithms.base import make_algorithm
 from rlhf_orch.errors import ACTOR_DIED, EngineError, RewardError, RLHFOrchError, RolloutError
 from rlhf_orch.metrics.timeline import Timeline
@@ -50,15 +51,17 @@ logger = logging.getLogger(__name__)
 
 @ray.remote(num_cpus=0)
 class RolloutManager:
-    def __init__(self, engines: dict, rewarders: list, dataset, params: dict, settings: dict, t0: float,
+    def __init__(self, engines: dict, rewarders: list, dataset, params: dict, cfg: ExperimentConfig, pad_id: int, t0: float,
                  reward_workers: RewardWorkers | None = None):
+        """`cfg`: the run's typed config (its rollout, algorithm, fault_tolerance sections are read here);
+        `params`: each engine's sampling parameters; `pad_id`: the tokenizer's."""
         setup_process("cpu")
         self.engines, self.rewarders, self.dataset, self.params = engines, rewarders, dataset, params
+        self.cfg, self.rollout, self.pad_id = cfg, cfg.rollout, pad_id   # `start` may take another rollout section
         self.reward_workers = reward_workers   # starts a replacement for a reward worker that dies (None: restart)
         self.reward_restarts = 0
         self.faults: list[dict] = []           # reward workers replaced here, for the driver's summary (next_batch)
-        self.s = settings
-        self.algorithm = make_algorithm(settings["algorithm"])   # its outcome advantages make each step's batch
+        self.algorithm = make_algorithm(cfg.algorithm.model_dump())   # its outcome advantages make each step's batch
         self.sched: GroupScheduler | None = None
         self.error: RLHFOrchError | None = None
         self.timeline = Timeline(t0)
@@ -66,7 +69,7 @@ class RolloutManager:
         self._reward_load = [0] * len(rewarders)
         self._tasks: set[asyncio.Task] = set()
         self._cond: asyncio.Condition | None = None
-        self.health = HealthTracker(settings.get("engine_stall_s", 30.0))
+        self.health = HealthTracker(cfg.fault_tolerance.engine_stall_s)
         self.dead: dict[str, dict] = {}      # declared dead, not yet taken by the driver
         self._watcher: asyncio.Task | None = None
         self._tickets: dict[str, int] = {}   # deterministic: each engine actor's next dispatch number (kept across start())
@@ -74,22 +77,21 @@ class RolloutManager:
 
     # ---- control (driver) -------------------------------------------------------------------------
     async def start(self, first_step: int, last_step: int, version: int, pending: list | None = None,
-                    overrides: dict | None = None) -> dict:
+                    rollout: RolloutSection | None = None) -> dict:
         """Set up for steps first_step..last_step with the engines at `version`; `pending` are draws of a
-        checkpointed run not yet trained, served first. Nothing is dispatched before `next_batch`. `overrides`
-        change settings (max_staleness, ...) from here on: a benchmark runs modes back to back on one cluster."""
+        checkpointed run not yet trained, served first. Nothing is dispatched before `next_batch`. `rollout`: the
+        rollout section from here on (a benchmark runs modes, e.g. max_staleness, back to back on one cluster)."""
         led = self.sched.ledger() if self.sched is not None else {}
         if led.get("in_flight") or led.get("buffered"):
             raise RolloutError("rollout manager: start() while groups are still in flight or buffered")
-        self.s.update(overrides or {})
-        s = self.s
+        r = self.rollout = rollout or self.rollout
         self._cond = asyncio.Condition()
-        self.sched = GroupScheduler(prompts_per_step=s["prompts_per_step"], group_size=s["group_size"],
-                                    max_staleness=s["max_staleness"], first_step=first_step, last_step=last_step,
-                                    engines=list(self.engines), draw=lambda: self.dataset.next_batch(1)[0],
-                                    dispatch_groups=s["dispatch_groups"], filter_groups=s["filter_groups"],
-                                    filter_max_draws=s["filter_max_draws"],
-                                    deterministic=bool(s.get("deterministic", False)))
+        self.sched = GroupScheduler(prompts_per_step=self.cfg.data.prompts_per_step,
+                                    group_size=self.cfg.algorithm.group_size, max_staleness=r.max_staleness,
+                                    first_step=first_step, last_step=last_step, engines=list(self.engines),
+                                    draw=lambda: self.dataset.next_batch(1)[0], dispatch_groups=r.dispatch_groups,
+                                    filter_groups=r.filter_groups, filter_max_draws=r.filter_max_draws,
+                                    deterministic=r.deterministic)
         self.sched.version = version
         if pending:
             self.sched.requeue([self.dataset.prompt(tuple(src)) for src in pending])
@@ -119,10 +121,10 @@ class RolloutManager:
         if groups is None:   # nobody left to generate: the driver replaces one now
             return {"need_engines": sorted(self.dead)}, None
         filtered = self.sched.take(groups)
-        s = self.s
         ready, dispatched = max(g.ready_at for g in groups), min(g.dispatched_at for g in groups)
-        sb = assemble(groups, step - 1, s["max_staleness"], self.algorithm, s["pad_id"],
-                      s["num_ranks"], ready - dispatched, balance_tokens=s.get("balance_tokens", False))
+        t = self.cfg.trainer
+        sb = assemble(groups, step - 1, self.rollout.max_staleness, self.algorithm, self.pad_id, t.num_ranks,
+                      ready - dispatched, balance_tokens=bool(t.max_tokens_per_micro_batch))
         led = self.sched.ledger()
         metrics = {**sb.metrics, "rollout/groups_filtered": float(filtered),
                    "perf/batch_ready_t": ready - self.timeline.t0,
@@ -275,7 +277,7 @@ class RolloutManager:
         max_staleness >= 1, where each group samples from its own seed (`group_seed`): its samples then depend on
         neither the engine nor what it generated before."""
         base = self.params[engine]
-        seeded = self.sched.deterministic and self.s["max_staleness"] >= 1
+        seeded = self.sched.deterministic and self.rollout.max_staleness >= 1
         if not seeded and not any("max_new_tokens" in g.prompt.row or "ignore_eos" in g.prompt.row for g in groups):
             return base
         out = []
@@ -288,12 +290,12 @@ class RolloutManager:
         return out
 
     def _seed(self) -> int:
-        return int(self.s.get("seed", getattr(self.dataset, "seed", 0)))
+        return int(self.cfg.experiment.seed)
 
     async def _score(self, groups) -> None:
         i = min(range(len(self.rewarders)), key=lambda j: self._reward_load[j])
         worker = self.rewarders[i]
-        if self.s.get("dense_reward"):   # a dense function finds the token ids in its row (a copy per sample)
+        if self.cfg.reward.dense:   # a dense function finds the token ids in its row (a copy per sample)
             items = [(smp.text, with_response_ids(g.prompt.row, smp.response_ids)) for g in groups for smp in g.samples]
         else:
             items = [(smp.text, g.prompt.row) for g in groups for smp in g.samples]
@@ -335,7 +337,7 @@ class RolloutManager:
         whether the caller may score again. False once fault_tolerance.max_engine_restarts replacements are spent."""
         if self.rewarders[i] is not worker:   # replaced already, by another of its calls
             return True
-        if self.reward_workers is None or self.reward_restarts >= self.s.get("max_reward_restarts", 0):
+        if self.reward_workers is None or self.reward_restarts >= self.cfg.fault_tolerance.max_engine_restarts:
             return False
         self.reward_restarts += 1
         label = f"{i}.r{self.reward_restarts}"
@@ -369,7 +371,7 @@ class RolloutManager:
         await self._notify()
 
     async def _check(self, name: str, actor) -> None:
-        limit = self.s.get("engine_stall_s", 30.0)
+        limit = self.cfg.fault_tolerance.engine_stall_s
         try:
             h = await asyncio.wait_for(actor.health.remote(), timeout=limit)
         except asyncio.TimeoutError:
@@ -388,13 +390,13 @@ class RolloutManager:
         stalled = self.health.observe(name, h["progress"], self.sched.busy(name), h["paused"], time.monotonic(), limit)
         if stalled is not None:
             await self._engine_failed(name, f"hung: work outstanding and no progress for {stalled:.0f}s "
-                                            f"(fault_tolerance.engine_stall_s={self.s.get('engine_stall_s')})",
+                                            f"(fault_tolerance.engine_stall_s={self.cfg.fault_tolerance.engine_stall_s})",
                                       "generate")
 
     async def _watch(self) -> None:
         """Health checks of every live engine, every `health_interval_s`, concurrently."""
         while True:
-            await asyncio.sleep(self.s.get("health_interval_s", 2.0))
+            await asyncio.sleep(self.cfg.fault_tolerance.health_interval_s)
             try:
                 await asyncio.gather(*(self._check(n, a) for n, a in list(self.engines.items())))
             except Exception:   # a health check must never take the manager down
