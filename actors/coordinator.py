@@ -32,6 +32,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.common import get, setup_process
+from rlhf_orch.config.schema import WeightSyncSection
 from rlhf_orch.errors import ACTOR_DIED, WeightSyncError
 from rlhf_orch.weight_sync import digest, make_plan, plan_buckets
 from rlhf_orch.weight_sync.plan import sync_deadline_s
@@ -42,14 +43,15 @@ logger = logging.getLogger(__name__)
 
 @ray.remote(num_cpus=0)
 class WeightSyncCoordinator:
-    def __init__(self, trainers: list, engines: dict, device: str, dtype: str, transport: str,
-                 bucket_bytes: int, verify: bool, timeout_s: float | None, replay: bool = True):
+    def __init__(self, trainers: list, engines: dict, device: str, dtype: str, ws: WeightSyncSection):
+        """`ws`: the run's weight_sync section (transport, bucket size, verification, deadline, load replay)."""
         setup_process("cpu")
-        self.replay = replay
+        self.replay = ws.replay_loads
         self.trainers, self.engines = trainers, engines
-        self.device, self.dtype, self.transport = device, dtype, transport
-        self.bucket_bytes, self.verify, self.configured_timeout = bucket_bytes, verify, timeout_s
-        self.timeout_s = sync_deadline_s(0, timeout_s)   # until setup() knows the bytes
+        self.device, self.dtype, self.transport = device, dtype, ws.transport
+        self.bucket_bytes, self.verify = int(ws.bucket_size_mb * 2**20), ws.verify
+        self.configured_timeout = ws.timeout_s
+        self.timeout_s = sync_deadline_s(0, ws.timeout_s)   # until setup() knows the bytes
         self.plan = None
         self.layouts = []
         self.version = -1

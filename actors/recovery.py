@@ -67,8 +67,7 @@ class EngineRecovery:
         """The weight-sync coordinator, its plan made and its groups created (and warmed up)."""
         cfg, ws = self.cfg, self.cfg.weight_sync
         self.coordinator = WeightSyncCoordinator.options(name=name, runtime_env={"env_vars": self.env}).remote(
-            self.trainers.actors, self.engines, cfg.trainer.device, cfg.model.dtype, ws.transport,
-            int(ws.bucket_size_mb * 2**20), ws.verify, ws.timeout_s, ws.replay_loads)
+            self.trainers.actors, self.engines, cfg.trainer.device, cfg.model.dtype, ws)
         # Parameter specs and group creation: the configured deadline, else the model's (known only after the specs).
         info = get(self.coordinator.setup.remote(), ws.timeout_s or self.timeout, "weight-sync setup", WeightSyncError)
         self.sync_timeout, self.plan = info["timeout_s"], info["plan"]
