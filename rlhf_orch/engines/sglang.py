@@ -302,11 +302,14 @@ class SGLangEngine(ColocatedStream, EngineLifecycle):
 
     # ---- weight sync (the actor shell forwards these) --------------------------------------------------
     def setup_receiver(self, layouts, group: dict | None, rank_offset: int, verify: bool, timeout_s: float,
-                       replay: bool = True) -> float:
+                       replay: bool = True, abort_flag: str | None = None) -> float:
         """Install the hook; with `group`, join it (TP rank k as rank_offset + k) and warm it up. Returns seconds.
-        `replay` applies to the colocated stream (sglang_stream.py); broadcast loads through SGLang's own API."""
+        `replay` applies to the colocated stream (sglang_stream.py); broadcast loads through SGLang's own API.
+        `abort_flag`: the rollout actor's (`aborts_syncs`), which the stream's receiver in the scheduler polls."""
         self._need_weights_awake("setup_receiver")
         t0 = time.perf_counter()
+        if abort_flag:
+            self.keep_abort_flag(abort_flag)
         self.report_timeout_s = max(self.report_timeout_s, float(timeout_s))
         self._layouts = list(layouts)
         self._replay = bool(replay)
@@ -453,6 +456,7 @@ class SGLangEngine(ColocatedStream, EngineLifecycle):
     def shutdown(self) -> None:
         """Stop SGLang's scheduler and detokenizer processes and remove the report folder."""
         self.close()
+        self.drop_abort_link()
         try:
             self.engine.shutdown()
         except Exception:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from rlhf_orch.errors import EngineError
+from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.mailbox import Mailbox
 from rlhf_orch.weight_sync.receiver import ReceivedSums, WeightReceiver
 from rlhf_orch.weight_sync.replay import LoadReplay
@@ -78,6 +79,14 @@ def _connect(model, state: dict, cfg: dict) -> dict:
     received = ReceivedSums(state["orig"])    # SGLang's own load_weights, not our recording wrapper
     rec = WeightReceiver(layouts, device, received.load, received.checksums,
                          LoadReplay(lambda: params, bool(cfg["replay"])))
+    abort = cfg.get("abort") or {}
+    if abort.get("link") and state.get("abort_path") != abort["path"]:   # mapped once, through the actor's link
+        state["abort"], state["abort_path"] = AbortFlag.attach(abort["link"]), abort["path"]
+        try:
+            os.unlink(abort["link"])
+        except FileNotFoundError:
+            pass
+    rec.abort_flag = state.get("abort")   # the coordinator's abort_sync ends this sync's waits at once (#33)
     box = rec.connect_stream(handles, float(cfg["timeout_s"]))
     state["stream"] = rec
     return {"mailbox": box.decode()}
@@ -94,16 +103,44 @@ def _stream(model, state: dict, cfg: dict) -> dict:
 
 # ---- in the engine's actor (mixed into SGLangEngine) ---------------------------------------------------
 class ColocatedStream:
-    """SGLangEngine's side of the stream: `connect_stream`, `receive_stream`, `abort_stream`, `set_replay`."""
+    """SGLangEngine's side of the stream: `connect_stream`, `receive_stream`, `abort_stream`, `set_replay`, and the
+    abort flag (`keep_abort_flag`) the scheduler's receiver polls."""
 
     _stream_seq = 0
     _box: Mailbox | None = None
     _replay = True
+    _abort: dict | None = None   # {"path": the rollout actor's flag, "link": a name of it the scheduler maps}
 
     @property
     def streams(self) -> tuple[str, ...]:
         """The transports taken in one call (engines/base.streams_over): ipc, on a single-GPU engine."""
         return ("ipc",) if self.tensor_parallel_size == 1 else ()
+
+    @property
+    def aborts_syncs(self) -> bool:
+        """Its stream's receiver polls the rollout actor's abort flag (weight_sync/abort.py); SGLang's own broadcast
+        receive (tensor parallel engines) does not: it ends at its group's timeout or when rank 0 leaves the group."""
+        return self.tensor_parallel_size == 1
+
+    def keep_abort_flag(self, path: str) -> None:
+        """At setup_receiver, before the rollout actor unlinks its flag file: a second name of the same shared memory,
+        which the scheduler maps (and removes) at connect_stream. A re-plan reuses the mapping (same path)."""
+        link = None
+        if os.path.exists(path):
+            link = f"{path}.sglang"
+            if os.path.exists(link):
+                os.unlink(link)
+            os.link(path, link)
+        self._abort = {"path": path, "link": link}
+
+    def drop_abort_link(self) -> None:
+        """Remove a link no scheduler took (a broadcast engine never connects a stream)."""
+        link = (self._abort or {}).get("link")
+        if link:
+            try:
+                os.unlink(link)
+            except FileNotFoundError:
+                pass
 
     def connect_stream(self, handles, timeout_s: float) -> bytes:
         """Have the scheduler open the trainer rank's ring buffers; returns its mailbox's handle for the trainer."""
@@ -114,7 +151,7 @@ class ColocatedStream:
         with open(path, "wb") as f:   # handles are bytes, layouts dataclasses: a file, not the request's name
             pickle.dump((list(self._layouts), list(handles)), f)
         rec = self._stream_call("connecting the ipc stream", CONNECT, args=path, timeout_s=float(timeout_s),
-                                replay=self._replay)
+                                replay=self._replay, abort=self._abort)
         handle = rec["mailbox"].encode()
         self._box = Mailbox.observe(handle)   # before the first sync unlinks it: abort_stream writes through it
         return handle

@@ -8,6 +8,7 @@ the custom loader named by `load_format` with the model (as weight_updater.py:34
 on a GPU in tests/gpu/test_sglang_engine.py (the `ipc_stream` case).
 """
 import importlib
+import os
 import threading
 
 import pytest
@@ -73,12 +74,15 @@ def _values(version):
     return {s.name: torch.randn(s.shape, generator=g) for s in MODEL}
 
 
-def _setup(tmp_path, corrupt=None):
+def _setup(tmp_path, corrupt=None, abort_flag=None):
     layouts = plan_buckets(MODEL, BUCKET)
     assert len(layouts) >= 3
     model = ToyModel(corrupt)
     install(model, {"dir": str(tmp_path), "verify": True}, 0, "cpu")
     eng = Engine(model, tmp_path, layouts)
+    if abort_flag is not None:   # as RolloutActor.setup_receiver: the engine keeps it, then the actor unlinks its file
+        eng.keep_abort_flag(abort_flag.handle())
+        abort_flag.unlink()
     sender = WeightSender(layouts, CPU, ipc_engines=["s"], timeout_s=10)
     sender.attach_mailbox("s", eng.connect_stream(sender.buffer_handles(), 10))
     return model, eng, sender
@@ -160,3 +164,30 @@ def test_stream_before_connect_and_unknown_requests_are_refused(tmp_path):
     assert eng.streams == ()
     with pytest.raises(EngineError, match="single-GPU engine"):
         eng.connect_stream([], 10)
+
+
+def test_an_aborted_sync_ends_the_schedulers_receive_at_once(tmp_path):
+    """Issue #33 on SGLang: the stream's receiver in the scheduler polls the rollout actor's abort flag (mapped through
+    a link the engine made before the actor removed the flag's file), so the coordinator's abort_sync ends a sync
+    whose trainer side is gone in milliseconds, not at the 10 s deadline."""
+    import time
+    from rlhf_orch.weight_sync.abort import AbortFlag
+    flag = AbortFlag.create()
+    model, eng, sender = _setup(tmp_path, abort_flag=flag)
+    assert eng.aborts_syncs and not os.path.exists(eng._abort["link"])   # the scheduler took the link
+    out = {}
+
+    def receive():
+        try:
+            eng.receive_stream(7)
+        except EngineError as e:
+            out["error"], out["t"] = str(e), time.monotonic()
+
+    t = threading.Thread(target=receive)
+    t.start()
+    time.sleep(0.3)            # waiting for bucket 0, which no trainer will send
+    t0 = time.monotonic()
+    flag.abort(7)
+    t.join(10)
+    assert "SyncAborted" in out["error"] and out["t"] - t0 < 2.0, out
+    assert not model._rlhf_state["abort"].aborted(8)   # the scheduler's view of the flag: only sync 7 is aborted
