@@ -72,6 +72,16 @@ class EngineRecovery:
         info = get(self.coordinator.setup.remote(), ws.timeout_s or self.timeout, "weight-sync setup", WeightSyncError)
         self.sync_timeout, self.plan = info["timeout_s"], info["plan"]
 
+    def _gone(self, err: Exception, actor) -> bool:
+        """Whether `err` says an actor died and `actor` indeed answers no health check (its process is gone)."""
+        if not is_actor_death(err):
+            return False
+        try:
+            ray.get(actor.health.remote(), timeout=min(10.0, self.cfg.fault_tolerance.engine_stall_s))
+            return False
+        except Exception:
+            return True
+
     # ---- the rollout manager, replaced in place ------------------------------------------------------------
     def _start_manager(self, name: str) -> None:
         """The rollout manager over the live engines and reward workers (its settings made once, in Cluster._build)."""
@@ -95,13 +105,8 @@ class EngineRecovery:
         Its generations under way are dropped: their prompts are drawn again. `mid_batch`: it died while serving a
         batch; where the engines can save their sampling RNG (max_staleness 0), they are set back to the step's start
         once its orphaned calls ended, so the step samples as it would have. True if replaced."""
-        if not is_actor_death(err):
+        if not self._gone(err, self.rollouts):
             return False
-        try:
-            ray.get(self.rollouts.health.remote(), timeout=min(10.0, self.cfg.fault_tolerance.engine_stall_s))
-            return False
-        except Exception:
-            pass
         t0 = time.time()
         self.manager_restarts += 1
         name = f"{self.cfg.experiment.name}-rollouts.r{self.manager_restarts}"
@@ -152,13 +157,8 @@ class EngineRecovery:
     def _coordinator_died(self, err: Exception, version: int) -> bool:
         """After a failed sync: if the coordinator itself is dead, start a replacement in place (its plan and groups
         made again with the live members) and record the fault; True if so (the caller re-runs the sync)."""
-        if not is_actor_death(err):
+        if not self._gone(err, self.coordinator):
             return False
-        try:
-            ray.get(self.coordinator.health.remote(), timeout=min(10.0, self.cfg.fault_tolerance.engine_stall_s))
-            return False
-        except Exception:
-            pass
         t0 = time.time()
         self.coordinator_restarts += 1
         name = f"{self.cfg.experiment.name}-weight-sync.r{self.coordinator_restarts}"
