@@ -8,9 +8,11 @@ Story: validate everything -> allocate -> build actors -> (warm start) -> initia
 take the step's batch from the rollout manager (generated and scored as groups
 finish, see actors/rollout_manager.py) -> train -> sync -> (evaluate: eval.every) -> log/checkpoint. With
 rollout.max_staleness 0 the manager starts a step's groups only after the previous sync: the synchronous loop
-exactly. With k >= 1 the engines keep generating for later steps while the trainer trains. Colocated runs hand
-each shared GPU from trainer to engines before generate and back after it (actors/colocation.py); metrics, plots,
-the timeline and a checkpoint are written in `finally`, so a failed run still leaves them readable.
+exactly. With k >= 1 the engines keep generating for later steps while the trainer trains, and each sync runs
+while the trainer trains the next step (weight_sync.overlap, actors/overlap.py). Colocated runs hand each shared GPU
+from trainer to engines before generate and back after it (actors/colocation.py); metrics, plots, the timeline and a
+checkpoint are written in `finally`, so a failed run still leaves them readable. summary.json is written before Ray
+stops, and the run ends with a short report of it (rlhf_orch/report.py).
 """
 from __future__ import annotations
 
