@@ -166,19 +166,13 @@ class WeightSender:
             return {"stage_s": time.perf_counter() - t0, "stage_gb": 0.0}
         fresh = not self._stage
         it = iter(named)
-        i = 0
-        for layout in self.layouts:
-            for s in layout.slots:
-                name, t = next(it)
-                if name != s.name or tuple(t.shape) != s.shape:
-                    raise WeightSyncError(f"trainer yielded {name!r} {tuple(t.shape)} where the layout expects "
-                                          f"{s.name!r} {s.shape}; re-plan the sync")
-                if fresh:
-                    self._stage.append((name, torch.empty(s.shape, dtype=dtype_from_name(s.dtype), device=self.device)))
-                self._stage[i][1].copy_(t, non_blocking=True)
-                i += 1
-        if next(it, None) is not None:
-            raise WeightSyncError("trainer yielded more tensors than the layout expects; re-plan the sync")
+        slots = [s for layout in self.layouts for s in layout.slots]
+        for i, s in enumerate(slots):
+            t = _pull(it, s)   # the same checks as a send's
+            if fresh:
+                self._stage.append((s.name, torch.empty(s.shape, dtype=dtype_from_name(s.dtype), device=self.device)))
+            self._stage[i][1].copy_(t, non_blocking=True)
+        _none_left(it)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # the copy is done before the next train step changes the weights
         self.staged_version = version
@@ -277,18 +271,7 @@ class WeightSender:
             # Pull the bucket's tensors, then copy (and checksum) them in one launch. The trainer
             # iterator keeps a bucket's tensors valid until the next bucket is pulled (ZeRO-3 gathers
             # exactly one bucket at a time), so batching is safe and saves a launch per tensor.
-            srcs = []
-            for s in layout.slots:
-                try:
-                    name, t = next(it)
-                except StopIteration:
-                    raise WeightSyncError(f"trainer yielded fewer tensors than the layout expects (missing {s.name})") from None
-                if name != s.name:
-                    raise WeightSyncError(f"trainer yielded {name!r} where the layout expects {s.name!r}; "
-                                          "parameter order changed since the plan was made")
-                if tuple(t.shape) != s.shape:
-                    raise WeightSyncError(f"{name}: shape {tuple(t.shape)} does not match the layout's {s.shape}")
-                srcs.append(t)
+            srcs = [_pull(it, s) for s in layout.slots]
             sums: list[int] = []
             if on_device:
                 if dev_sums is not None:
@@ -320,8 +303,7 @@ class WeightSender:
         n = len(self.layouts)     # oldest in-flight bucket first, so acks stay in layout order
         for k in range(SLOTS):
             drain((n + k) % SLOTS)
-        if next(it, None) is not None:
-            raise WeightSyncError("trainer yielded more tensors than the layout expects; re-plan the sync")
+        _none_left(it)
         if on_device:
             t0 = time.perf_counter()
             if dev_sums is not None:
@@ -336,3 +318,23 @@ class WeightSender:
         self._sync_device(check)
         res.total_s = time.perf_counter() - t_start
         return res
+
+
+def _pull(it: Iterator[tuple[str, torch.Tensor]], s) -> torch.Tensor:
+    """The trainer's next tensor, checked against layout slot `s`: its name (the parameter order) and its shape."""
+    try:
+        name, t = next(it)
+    except StopIteration:
+        raise WeightSyncError(f"trainer yielded fewer tensors than the layout expects (missing {s.name})") from None
+    if name != s.name:
+        raise WeightSyncError(f"trainer yielded {name!r} where the layout expects {s.name!r}; "
+                              "parameter order changed since the plan was made")
+    if tuple(t.shape) != s.shape:
+        raise WeightSyncError(f"{name}: shape {tuple(t.shape)} does not match the layout's {s.shape}")
+    return t
+
+
+def _none_left(it: Iterator) -> None:
+    if next(it, None) is not None:
+        raise WeightSyncError("trainer yielded more tensors than the layout expects; re-plan the sync")
+
