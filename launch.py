@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 from rlhf_orch.cli import parse_run_args   # shared with `rlhf-orch`; argparse only, so --help stays instant
+from rlhf_orch.report import end_of_run     # pathlib only
+from rlhf_orch.run_dir import ray_job_id    # the standard library only
 
 logger = logging.getLogger("rlhf_orch.launch")
 
@@ -308,8 +310,6 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
     from rlhf_orch.checkpoint import checkpoint_dir, find_good
     from rlhf_orch.errors import RLHFOrchError, RunStopped, is_actor_death
     from actors.ray_session import stop_ray   # imports Ray (seconds): not at the top, so --help stays instant
-    from rlhf_orch.report import end_of_run
-    from rlhf_orch.run_dir import ray_job_id
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     _STOPPING.clear()   # a fresh run in this process (tests call main() more than once)

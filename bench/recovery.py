@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import launch  # noqa: E402   (this checkout's, also when it is not installed)
 
 VICTIMS = [("-trainer-1", 4), ("-reward-0", 8), ("-weight-sync", 11), ("-engine-dedicated", 14),
            ("-reference-1", 18), ("-rollouts", 24)]
@@ -101,7 +102,6 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(ROOT / "configs/tiny_cpu.yaml"))
     p.add_argument("--workdir", default=None, help="where the run goes (default: a temporary folder)")
     args, overrides = p.parse_known_args(argv)
-    import launch
     out = Path(args.workdir or tempfile.mkdtemp(prefix="recovery_"))
     info: list = []
     killer = kill_in_turn(out / "recovery", VICTIMS, info)

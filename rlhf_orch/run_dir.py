@@ -82,7 +82,8 @@ def job_output_override(config_path, overrides: list[str], env: dict, cwd: str) 
     nothing changes; problems in the file or overrides are left to load_config to report."""
     from rlhf_orch.config.loader import apply_override, read_yaml
     from rlhf_orch.config.schema import ExperimentSection
-    if ray_job_id(env, cwd) is None:
+    job = ray_job_id(env, cwd)
+    if job is None:
         return None, None
     raw = read_yaml(config_path) if config_path else {}
     for ov in overrides:
@@ -98,7 +99,6 @@ def job_output_override(config_path, overrides: list[str], env: dict, cwd: str) 
     if not isinstance(output_dir, str):
         return None, None
     out, why = resolve_output_dir(output_dir, env, cwd)
-    job = ray_job_id(env, cwd)
     if why and default and job != "unknown":
         # Each job its own folder unless the user named one: two submissions of one config (or the README's
         # command sent twice) must not meet in one run folder (the second was refused, issue #31).

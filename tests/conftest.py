@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+from rlhf_orch.torch_ext import default_extensions_dir   # the standard library only
+
 # Keep every socket a test opens on 127.0.0.1 (Ray binds routable addresses otherwise; see CPU-NOTES).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -17,7 +19,6 @@ os.environ.setdefault("DNNL_MAX_CPU_ISA", "AVX2")
 # DeepSpeed's C++ op builds once per machine, in the folder runs use (rlhf_orch/torch_ext.py): tests that train in
 # this process, the actors of test runs, .ci/run and `python launch.py` all find it there (issue #31: it was three).
 if "TORCH_EXTENSIONS_DIR" not in os.environ:
-    from rlhf_orch.torch_ext import default_extensions_dir
     os.environ["TORCH_EXTENSIONS_DIR"] = str(default_extensions_dir())
 
 

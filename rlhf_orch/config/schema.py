@@ -379,9 +379,8 @@ class WeightSyncSection(_Section):
     mismatch_alarm: float | None = Field(None, gt=0, description="Fail if max |engine - trainer| logprob after a sync exceeds this.")
     replay_loads: bool = Field(True, description="Engines redo the copies their loader made at the first sync in one "
                                "fused copy-and-checksum pass per bucket (weight_sync/replay.py); false: load_weights.")
-    overlap: bool | Literal["auto"] = Field("auto", description="Trainers stage a copy of their weights (memory: one "
-                                            "synced copy) and train on while it goes to the engines. auto: at "
-                                            "max_staleness >= 1 when no GPU hand-over is due.")
+    overlap: bool | Literal["auto"] = Field("auto", description="Trainers stage a weight copy and train on while it "
+                                            "goes to the engines; auto: at max_staleness >= 1, no GPU hand-over due.")
 
 
 class FaultToleranceSection(_Section):

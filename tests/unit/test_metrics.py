@@ -20,6 +20,7 @@ from rlhf_orch.metrics import (
     plot_run,
     read_jsonl,
 )
+from rlhf_orch.metrics.plots import _MAX_RAW, _trend
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -230,7 +231,6 @@ def test_long_series_are_faint_points_under_a_rolling_mean():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from rlhf_orch.metrics.plots import _MAX_RAW, _trend
     fig, ax = plt.subplots()
     try:
         xs = list(range(1, 601))

@@ -2,7 +2,7 @@
 batches, dynamic-sampling refills and the ledger, on hand-worked sequences."""
 import itertools
 
-from rlhf_orch.rollout.scheduler import READY, GroupScheduler
+from rlhf_orch.rollout.scheduler import READY, GroupScheduler, whole_run_ledger
 from rlhf_orch.types import Prompt, Sample
 
 
@@ -203,7 +203,6 @@ def test_deterministic_filter_counts_do_not_depend_on_when_later_groups_were_sco
 
 def test_a_resumed_runs_ledger_counts_every_segment_once():
     """Issue #31: after a resume the summary's ledger covered only the last segment (240 trained for 45 steps)."""
-    from rlhf_orch.rollout.scheduler import whole_run_ledger
     # checkpoint after 10 steps of 16 groups: 160 trained, 12 filtered, 5 still queued/running/buffered
     before = {"drawn": 177, "dispatched": 175, "trained": 160, "filtered": 12, "aborted": 3, "requeued_on_resume": 0,
               "kept_over_cap": 1, "requeued_on_failure": 2, "queued": 2, "in_flight": 2, "buffered": 1, "balanced": 1}

@@ -10,6 +10,7 @@ on a GPU in tests/gpu/test_sglang_engine.py (the `ipc_stream` case).
 import importlib
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch
 from rlhf_orch.engines.sglang import SGLangEngine, install
 from rlhf_orch.engines.sglang_stream import HOOK, ColocatedStream
 from rlhf_orch.errors import EngineError, WeightSyncError
+from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.buckets import checksums, plan_buckets
 from rlhf_orch.weight_sync.sender import WeightSender
 from weight_sync_helpers import CPU, assert_bit_equal, spec
@@ -170,8 +172,6 @@ def test_an_aborted_sync_ends_the_schedulers_receive_at_once(tmp_path):
     """Issue #33 on SGLang: the stream's receiver in the scheduler polls the rollout actor's abort flag (mapped through
     a link the engine made before the actor removed the flag's file), so the coordinator's abort_sync ends a sync
     whose trainer side is gone in milliseconds, not at the 10 s deadline."""
-    import time
-    from rlhf_orch.weight_sync.abort import AbortFlag
     flag = AbortFlag.create()
     model, eng, sender = _setup(tmp_path, abort_flag=flag)
     assert eng.aborts_syncs and not os.path.exists(eng._abort["link"])   # the scheduler took the link
