@@ -16,6 +16,7 @@ from actors.common import actor_env, get, setup_process
 from actors.placement import Placement
 from rlhf_orch.errors import TrainerError
 from rlhf_orch.trainer.batch import shard
+from rlhf_orch.trainer.packing import imbalance
 from rlhf_orch.types import TrainBatch
 from rlhf_orch.weight_sync import WeightSender
 from rlhf_orch.weight_sync.abort import AbortFlag
@@ -261,8 +262,10 @@ def _average(results: list[dict]) -> dict[str, float]:
         else:
             out[key] = sum(vals) / len(vals)
     if "train/seq_tokens" in results[0]:
-        from rlhf_orch.trainer.packing import imbalance
         out["train/rank_imbalance"] = imbalance([r["train/seq_tokens"] for r in results])
+    if "train/flops" in results[0]:
+        out["train/rank_flops_imbalance"] = imbalance([r["train/flops"] for r in results])
+        out["train/rank_time_imbalance"] = imbalance([r["train/time_s"] for r in results])
     return out
 
 

@@ -269,6 +269,10 @@ class DeepSpeedTrainer(Forward, Offloadable):
         metrics["micro_batches"] = n_micro / self.ppo_epochs
         # This rank's prompt + response tokens; actors/trainer.py turns the ranks' values into rank_imbalance.
         metrics["seq_tokens"] = float(batch.attention_mask.sum())
+        # This rank's model FLOPs and seconds: the ranks wait for each other in the collectives, so their seconds
+        # come out alike; the FLOPs say how unequal the work was (actors/trainer.py: rank_flops_imbalance).
+        metrics["flops"] = float(flops)
+        metrics["time_s"] = train_s
         self.steps += 1
         return {f"train/{k}": v for k, v in metrics.items()}
 
