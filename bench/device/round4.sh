@@ -51,7 +51,7 @@ case "${1:-}" in
       experiment.output_dir=/tmp/runs experiment.name=grpo8b experiment.steps="${STEPS:-6}" "${B8[@]}" \
       trainer.num_ranks=2 trainer.zero_stage=3 trainer.packing=true trainer.max_tokens_per_micro_batch=8192 \
       trainer.micro_batch_size=16 trainer.gradient_checkpointing=true trainer.lr=1e-6 algorithm.kl_coef=0 \
-      data.prompts_per_step=32 data.max_operand=9 engines.0.tensor_parallel_size=2 engines.0.enforce_eager=false \
+      data.prompts_per_step=32 data.max_operand=9 engines.0.tensor_parallel_size=2 engines.0.enforce_eager="${EAGER:-false}" \
       engines.0.gpu_memory_utilization=0.85 engines.0.kv_cache_memory_gb=30 engines.0.sampling.max_new_tokens=512 \
       > "$OUT/grpo8b.log" 2>&1
     echo "== grpo8b exit $?"; keep grpo8b /tmp/runs/grpo8b

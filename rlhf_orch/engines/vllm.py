@@ -14,6 +14,7 @@ parallelism or data parallelism. API references: docs/vllm_api_notes.md.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Sequence
 
 import torch
@@ -26,6 +27,18 @@ from rlhf_orch.types import Sample
 logger = logging.getLogger(__name__)
 
 EXTENSION = "rlhf_orch.engines.vllm_worker.WeightSyncWorkerExtension"
+
+
+def multicast_free(tensor_parallel_size: int) -> dict[str, Any]:
+    """LLM options that keep a tensor-parallel engine off NVLink multicast where the environment turned it off.
+
+    With CUDA graphs on, vLLM 0.26.0 fuses all-reduce with RMSNorm through FlashInfer and picks its "mnnvl"
+    backend (flashinfer_all_reduce.py:97-121), which builds NVSwitch multicast memory. NCCL_NVLS_ENABLE=0 is the
+    documented way a cluster says multicast is off, and there the fused kernel failed at graph capture with an
+    illegal memory access (TP=2 on 4x H200, 2026-11-27). So there the fusion is off; elsewhere vLLM decides."""
+    if tensor_parallel_size > 1 and os.environ.get("NCCL_NVLS_ENABLE") == "0":
+        return {"compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
+    return {}
 
 
 class VLLMEngine(EngineLifecycle):
@@ -56,6 +69,7 @@ class VLLMEngine(EngineLifecycle):
             # Inside a Ray actor in a placement group vLLM would pick its Ray executor (config/parallel.py:915)
             # and place workers itself; the actor already holds its TP GPUs, so workers are its subprocesses.
             extra["distributed_executor_backend"] = "mp"
+            extra.update(multicast_free(tensor_parallel_size))
         try:
             self.llm = self._start_llm(model_path, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
