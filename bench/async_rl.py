@@ -257,6 +257,7 @@ def main(argv=None) -> int:
                 step += n
                 per_mode[mode].append(analyze(cluster, mode, recs[args.warmup:], windows[args.warmup:]))
                 print(json.dumps(per_mode[mode][-1]), flush=True)
+                (out / "async_rl.json").write_text(json.dumps(per_mode, indent=1))   # a run cut short keeps its segments
         text = table(per_mode, args)
         print(text, flush=True)
         if args.out:
@@ -269,6 +270,7 @@ def main(argv=None) -> int:
         if args.copy_to:   # the device machine returns only what is under $OUT
             import shutil
             run = out / "async_rl"
+            Path(args.copy_to).mkdir(parents=True, exist_ok=True)
             for f in (run / "timeline.jsonl", run / "metrics.jsonl", run / "plots" / "timeline.png", out / "async_rl.json"):
                 if f.exists():
                     shutil.copy(f, Path(args.copy_to) / f.name)
