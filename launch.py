@@ -240,6 +240,10 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
             rollout_state = None
             _IN_STEP.clear()   # not under way any more: a later SIGTERM stops at once
         if cluster is not None:
+            # A kill while the final checkpoint is written (a job's grace period running out) must still leave a
+            # readable summary: this one says the run was ending; _supervise's complete one replaces it.
+            _write_summary(run_dir, {**summary, "status": "ending", "faults": list(cluster.faults),
+                                     "run_restarts": list(restarts or [])})
             cluster.close(records, rollout_state)
             summary["ledger"] = cluster.final_ledger   # every prompt drawn: trained, filtered, or still queued
             summary["faults"] = cluster.faults         # engines that died, when, and how long recovery took
@@ -313,6 +317,7 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     _STOPPING.clear()   # a fresh run in this process (tests call main() more than once)
+    _EARLIER.clear()
     t0, restarts, faults, rc = time.time(), [], [], 0
     while True:
         summary: dict = {}
@@ -359,13 +364,20 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
     return rc
 
 
+_EARLIER: dict[str, dict] = {}   # summary.json as an earlier process left it, read once per run folder
+
+
 def _write_summary(run_dir: Path, summary: dict) -> None:
-    """summary.json of this process, merged over an earlier segment's (a resumed run keeps its fault history)."""
+    """summary.json of this run, merged over an earlier run's (a resumed run keeps its fault history). The earlier
+    one is read before this run first writes there, so its own provisional summary (the "ending" one, written before
+    the final checkpoint) is never merged in."""
     path = run_dir / "summary.json"
-    try:
-        old = json.loads(path.read_text()) if path.exists() and summary.get("resumed_from") else {}
-    except (OSError, json.JSONDecodeError):
-        old = {}
+    if str(path) not in _EARLIER:
+        try:
+            _EARLIER[str(path)] = json.loads(path.read_text()) if path.exists() and summary.get("resumed_from") else {}
+        except (OSError, json.JSONDecodeError):
+            _EARLIER[str(path)] = {}
+    old = _EARLIER[str(path)]
     for key in ("faults", "run_restarts"):
         if old.get(key):
             summary[key] = old[key] + summary.get(key, [])
