@@ -26,7 +26,7 @@ from actors.trainer import TrainerGroup
 from rlhf_orch.checkpoint import (checkpoint_dir, commit, find_good, read_rl_state, staging_dir, truncate_metrics,
                                   write_rl_state)
 from rlhf_orch.config import engine_names
-from rlhf_orch.config.checks import engines_that_cannot_stop
+from rlhf_orch.config.checks import auto_running_requests
 from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError
 from rlhf_orch.metrics.timeline import Timeline
 
@@ -201,9 +201,10 @@ class Cluster(EngineRecovery):
             r, rollout = self.cfg.rollout, self.cfg.rollout.model_copy(update=overrides)
             stale = rollout.max_staleness
             self.max_staleness = stale
-            auto = "abort" if stale >= 1 and not r.deterministic and not engines_that_cannot_stop(self.cfg) else "wait"
+            chosen = overrides.get("running_requests", r.running_requests if "running_requests" in r.model_fields_set
+                                   else "auto")
             self.pause_mode = ("keep" if rollout.partial_rollouts else   # as config/checks.py resolves "auto"
-                               r.running_requests if "running_requests" in r.model_fields_set else auto)
+                               auto_running_requests(self.cfg, stale) if chosen == "auto" else chosen)
         self._manager_plan = (last_step or self.cfg.experiment.steps, rollout)
         self._rget(self.rollouts.start.remote(first_step, self._manager_plan[0], version, pending, rollout),
                    "rollout manager to start")

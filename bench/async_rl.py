@@ -1,5 +1,6 @@
 """Whole-step throughput of streaming rollouts: the synchronous loop vs max_staleness 1 vs 1 + partial rollouts vs 1
-with every weight sync on the trainer's path (k1s: weight_sync.overlap off; k1 and k1p overlap it, the default).
+with every weight sync on the trainer's path (k1s: weight_sync.overlap off; k1 and k1p overlap it, the default) vs 1
+with running requests aborted at each sync (k1a; k1's running_requests auto waits for them, its sync being overlapped).
 
     python bench/async_rl.py --out bench/RESULTS_async.md     # nvidia-h200-x2: trainer GPU 0, streaming vLLM GPU 1
     python bench/async_rl.py --colocated                      # one GPU: vLLM beside the trainer, CUDA IPC sync
@@ -41,7 +42,10 @@ sys.path.insert(0, str(ROOT))
 MODES = {"sync": dict(max_staleness=0, partial_rollouts=False), "k1": dict(max_staleness=1, partial_rollouts=False),
          "k1p": dict(max_staleness=1, partial_rollouts=True),
          # k1 with every sync on the trainer's path (weight_sync.overlap off): what the overlap buys, same run
-         "k1s": dict(max_staleness=1, partial_rollouts=False, overlap=False)}
+         "k1s": dict(max_staleness=1, partial_rollouts=False, overlap=False),
+         # k1 whose syncs abort the running requests and re-queue them (running_requests auto waits where, as in k1,
+         # the sync overlaps training; k1s aborts: its sync is on the trainer's path)
+         "k1a": dict(max_staleness=1, partial_rollouts=False, running_requests="abort")}
 
 
 def reward(response: str, row: dict) -> float:
@@ -85,7 +89,7 @@ def build(args, out: Path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     total = len(args.modes.split(",")) * args.segments * (args.warmup + args.steps)
     placement = "colocated" if args.colocated else "dedicated"
-    engine = {"kind": "hf", "name": "hf", "placement": placement} if args.dry_run else {
+    engine = {"kind": "hf", "name": "hf", "placement": placement, "decode_delay_s": args.decode_delay} if args.dry_run else {
         "kind": "vllm", "name": "vllm", "placement": placement, "streaming": True,
         "gpu_memory_utilization": 0.45 if args.colocated else 0.85,
         "max_model_len": args.cap + 64, "kv_cache_memory_gb": args.kv_cache_gb}   # bounds the blocks a cache reset walks
@@ -199,19 +203,23 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="sync,k1,k1p,k1s")
     p.add_argument("--segments", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=None, help="measured steps per segment (default 5; dry run 2)")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--kv-cache-gb", type=float, default=40.0)
     p.add_argument("--colocated", action="store_true", help="one GPU: vLLM beside the trainer (both resident, CUDA IPC "
                    "sync); without it the trainer has GPU 0 and vLLM GPU 1 (NCCL)")
     p.add_argument("--dispatch-groups", type=int, default=8, help="groups per generate call (streaming engines take many)")
+    p.add_argument("--decode-delay", type=float, default=0.0, help="dry run: seconds per decode step of the hf engine "
+                   "(generation slower than training, as on GPUs)")
     p.add_argument("--workdir", default="/tmp/async_rl_bench")
     p.add_argument("--out", default=None, help="append the table to this markdown file")
     p.add_argument("--copy-to", default=None, help="copy timeline, metrics and plot here at the end (e.g. $OUT)")
     args = p.parse_args(argv)
     if args.dry_run:
-        args.prompts, args.group, args.median, args.cap, args.steps = 8, 4, 6, 24, 2
+        args.prompts, args.group, args.median, args.cap = 8, 4, 6, 24
+        args.steps = 2 if args.steps is None else args.steps
         args.micro_batch, args.dispatch_groups = 4, 2
+    args.steps = 5 if args.steps is None else args.steps
     import logging
     import os
     logging.basicConfig(level=os.environ.get("RLHF_ORCH_LOG_LEVEL", "WARNING"))

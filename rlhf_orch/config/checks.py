@@ -63,32 +63,45 @@ def engines_that_cannot_stop(cfg: ExperimentConfig) -> list[tuple[int, str, str]
     return out
 
 
-def resolve_rollout_defaults(cfg: ExperimentConfig) -> None:
-    """rollout.running_requests "auto", resolved in place (the saved config shows the choice; the field stays out of
-    model_fields_set, as the user did not set it). Issue #27: a sync must not wait for running requests, so without
-    partial rollouts they are aborted and re-queued wherever that is possible:
+def sync_overlapped(cfg: ExperimentConfig, max_staleness: int) -> bool:
+    """Whether every weight sync will run while the trainer trains on (weight_sync.overlap, actors/overlap.py):
+    allowed (true, or auto at max_staleness >= 1) and no engine beside a trainer, whose GPU hand-over could turn it
+    off at run time (colocation offload or sleep)."""
+    on = cfg.weight_sync.overlap
+    return (on is True or (on == "auto" and max_staleness >= 1)) and all(e.placement == "dedicated" for e in cfg.engines)
 
-    - abort: max_staleness >= 1, no partial rollouts, not deterministic, and every engine can stop mid-request
-      (kind hf, or vllm/sglang with streaming: true).
-    - wait: max_staleness 0 (nothing runs during a sync: the synchronous loop exactly); partial rollouts (the pause
-      parks requests, "keep", and this field is not read); deterministic (which requests a sync would catch depends on
-      timing); and, with one warning naming the engine and the fix, engines that cannot stop mid-request.
+
+def auto_running_requests(cfg: ExperimentConfig, max_staleness: int, warn: bool = False) -> str:
+    """What rollout.running_requests "auto" means for a run at `max_staleness` without partial rollouts (issue #27):
+
+    - wait: max_staleness 0 (nothing runs during a sync: the synchronous loop exactly); deterministic (which requests
+      a sync would catch depends on timing); an overlapped sync (`sync_overlapped`: the trainer does not wait for the
+      sync, so waiting costs it nothing, while aborting throws away every running request's tokens and restarts the
+      longest ones: bench/RESULTS.md, k1 vs k1w); and, with one warning naming the engine and the fix, engines that
+      cannot stop mid-request.
+    - abort: otherwise (the sync is on the trainer's path and every engine can stop mid-request: kind hf, or
+      vllm/sglang with streaming: true).
     """
+    if max_staleness < 1 or cfg.rollout.deterministic or sync_overlapped(cfg, max_staleness):
+        return "wait"
+    stuck = engines_that_cannot_stop(cfg)
+    if stuck and warn:
+        i, kind, fix = stuck[0]
+        _warn_once(f"rollout.running_requests: auto resolves to wait because engines.{i} (kind {kind}) cannot stop "
+                   f"a request between two decode steps, so every weight sync waits for the running requests "
+                   f"(the trainer idles meanwhile); {fix} so they are aborted and re-queued instead, or set "
+                   f"rollout.running_requests: wait to keep this")
+    return "wait" if stuck else "abort"
+
+
+def resolve_rollout_defaults(cfg: ExperimentConfig) -> None:
+    """rollout.running_requests "auto", resolved in place by `auto_running_requests` (the saved config shows the
+    choice; the field stays out of model_fields_set, as the user did not set it). With partial rollouts the pause
+    parks running requests ("keep") and this field is not read; it resolves to wait there."""
     r = cfg.rollout
     if r.running_requests != "auto":
         return
-    resolved = "wait"
-    if r.max_staleness >= 1 and not r.partial_rollouts and not r.deterministic:
-        stuck = engines_that_cannot_stop(cfg)
-        if not stuck:
-            resolved = "abort"
-        else:
-            i, kind, fix = stuck[0]
-            _warn_once(f"rollout.running_requests: auto resolves to wait because engines.{i} (kind {kind}) cannot stop "
-                       f"a request between two decode steps, so every weight sync waits for the running requests "
-                       f"(the trainer idles meanwhile); {fix} so they are aborted and re-queued instead, or set "
-                       f"rollout.running_requests: wait to keep this")
-    r.running_requests = resolved
+    r.running_requests = "wait" if r.partial_rollouts else auto_running_requests(cfg, r.max_staleness, warn=True)
     r.model_fields_set.discard("running_requests")
 
 

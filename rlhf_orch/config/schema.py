@@ -359,7 +359,7 @@ class RolloutSection(_Section):
                                    "Needs max_staleness >= 1 and engines that can pause mid-request.")
     running_requests: Literal["auto", "wait", "abort"] = Field("auto", description="Without partial rollouts, at a sync: "
         "wait (running requests finish) or abort (stopped between decode steps, re-queued); auto (default): abort at "
-        "max_staleness >= 1 where every engine can stop mid-request (hf, streaming vllm/sglang), else wait (checks.py).")
+        "max_staleness >= 1 when the sync is on the trainer's path and engines can stop mid-request, else wait (checks.py).")
     deterministic: bool = Field(False, description="Make max_staleness >= 1 runs reproducible from experiment.seed "
         "(rollout/scheduler.py says how). Costs throughput: no aborts or partial rollouts; slow groups hold up others.")
     dispatch_groups: int = Field(0, ge=0, description="Prompt groups per generate call (0: prompts_per_step / number of "

@@ -32,6 +32,10 @@ def _write(tmp_path, text):
     (["rollout.max_staleness=1", "rollout.deterministic=true"], "wait"),      # aborts depend on timing
     (["rollout.max_staleness=1", "rollout.running_requests=wait"], "wait"),   # explicit choices stay
     (["rollout.running_requests=abort"], "abort"),
+    # dedicated engines only: the sync overlaps the next train step, so running requests finish (nothing thrown away)
+    (["rollout.max_staleness=1", "~engines.0"], "wait"),
+    (["rollout.max_staleness=1", "~engines.0", "weight_sync.overlap=false"], "abort"),   # the sync on the path again
+    (["rollout.max_staleness=1", "weight_sync.overlap=true"], "abort"),   # a colocated engine may turn the overlap off
 ])
 def test_running_requests_auto_resolves_from_staleness_and_engines(overrides, want):
     cfg = load_config(TINY, overrides)
@@ -43,6 +47,7 @@ def test_running_requests_auto_resolves_from_staleness_and_engines(overrides, wa
 
 def test_auto_waits_with_one_warning_naming_an_engine_that_cannot_stop(tmp_path, config_warnings):
     p = _write(tmp_path, "trainer: {device: cuda, num_ranks: 1}\nrollout: {max_staleness: 1}\n"
+                         "weight_sync: {overlap: false}\n"   # on the trainer's path: auto would abort where it can
                          "engines:\n  - {kind: vllm, streaming: true}\n  - {kind: vllm}\n  - {kind: sglang}\n")
     cfg = load_config(p)
     assert cfg.rollout.running_requests == "wait"
@@ -54,7 +59,7 @@ def test_auto_waits_with_one_warning_naming_an_engine_that_cannot_stop(tmp_path,
     load_config(p)                                                   # validated again: no second warning
     assert len([r for r in config_warnings.records if r.getMessage().startswith("rollout.running_requests")]) == 1
     streaming = _write(tmp_path, "trainer: {device: cuda, num_ranks: 1}\nrollout: {max_staleness: 1}\n"
-                                 "engines:\n  - {kind: vllm, streaming: true}\n  - {kind: sglang, streaming: true}\n")
+                                 "weight_sync: {overlap: false}\nengines:\n  - {kind: vllm, streaming: true}\n  - {kind: sglang, streaming: true}\n")
     assert load_config(streaming).rollout.running_requests == "abort"
 
 
