@@ -10,6 +10,7 @@ wait for its end (instead of failing), and serialises them for engines that take
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -21,6 +22,7 @@ from rlhf_orch.engines.base import streams_over
 from rlhf_orch.errors import EngineError
 from rlhf_orch.weight_sync import WeightReceiver
 from rlhf_orch.weight_sync.abort import AbortFlag
+from rlhf_orch.weight_sync.replay import LoadReplay
 
 
 @ray.remote(max_concurrency=64)
@@ -41,7 +43,8 @@ class RolloutActor:
         self._awaiting = 0     # generate calls waiting for the weights they were dispatched under (a sync under way)
         self._calls = 0        # generate calls here, from arrival to return (wait_idle)
         self._calls_done = 0   # finished generate calls: with the engine's decode steps, the health check's progress
-        self._concurrent = bool(getattr(self.engine, "concurrent_generate", False))
+        self.caps = self.engine.capabilities   # declared by the engine kind (engines/base.Capabilities)
+        self._concurrent = self.caps.concurrent_generate
         self.abort_flag: AbortFlag | None = None   # made at setup_receiver: the coordinator's abort_sync ends a sync
 
     def device_ids(self) -> list[str]:
@@ -53,11 +56,9 @@ class RolloutActor:
     def health(self) -> dict:
         """Answered from its own thread while generate runs: progress (finished calls + decode steps), whether
         the engine is paused or asleep on purpose, and whether it reports every decode step."""
-        import os
-        asleep = getattr(self.engine, "is_asleep", lambda: False)()
-        return {"pid": os.getpid(), "progress": self._calls_done + int(getattr(self.engine, "progress_steps", 0)),
-                "paused": self._syncing or asleep or self._awaiting > 0, "syncing": self._syncing,
-                "reports_steps": bool(getattr(self.engine, "reports_decode_steps", False))}
+        return {"pid": os.getpid(), "progress": self._calls_done + int(self.engine.progress_steps),
+                "paused": self._syncing or self.engine.is_asleep() or self._awaiting > 0, "syncing": self._syncing,
+                "reports_steps": self.caps.reports_decode_steps}
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no generate call is here, running or queued (a replaced rollout manager's orphaned calls end
@@ -137,27 +138,24 @@ class RolloutActor:
     # ---- weight sync ----------------------------------------------------------------------------
     def setup_receiver(self, layouts, group: dict | None, rank: int, verify: bool, timeout_s: float,
                        replay: bool = True) -> float:
-        import torch
-        from rlhf_orch.weight_sync.replay import LoadReplay
         self.verify = verify
         self.close_receiver()   # a re-plan after an engine fault: leave the old broadcast group first
         if self.abort_flag is None:
             self.abort_flag = AbortFlag.create()   # its file goes once the receiving process mapped it (below)
-        if hasattr(self.engine, "setup_receiver"):
+        if self.caps.own_receivers:
             # Engines with their own worker processes (vLLM) run a receiver in every worker; those that declare
             # `aborts_syncs` map this actor's abort flag there (then the file is no longer needed).
             self.receiver = self.engine
-            if not getattr(self.engine, "aborts_syncs", False):
+            if not self.caps.aborts_syncs:
                 self.abort_flag.unlink()   # its receivers do not read it
                 return self.engine.setup_receiver(layouts, group, rank, verify, timeout_s, replay)
             secs = self.engine.setup_receiver(layouts, group, rank, verify, timeout_s, replay,
                                               abort_flag=self.abort_flag.handle())
             self.abort_flag.unlink()
             return secs
-        device = getattr(self.engine, "device", torch.device("cpu"))
-        params = getattr(self.engine, "replay_params", None)   # hf: its parameters, checked awake
-        self.receiver = WeightReceiver(layouts, device, self.engine.load_weights, self.engine.checksums,
-                                       LoadReplay(params, replay) if params is not None else None)
+        # hf: the actor's receiver loads into the engine; replay_params gives its parameters, checked awake
+        self.receiver = WeightReceiver(layouts, self.engine.device, self.engine.load_weights, self.engine.checksums,
+                                       LoadReplay(self.engine.replay_params, replay))
         self.receiver.abort_flag = self.abort_flag
         self.abort_flag.unlink()   # this process holds the only mapping it needs
         if group is None:
@@ -221,13 +219,11 @@ class RolloutActor:
 
     def rng_state(self):
         """None for engines whose sampling state cannot be saved (vLLM): their resume is not bit-exact."""
-        fn = getattr(self.engine, "rng_state", None)
-        return fn() if callable(fn) else None
+        return self.engine.rng_state() if self.caps.saves_rng else None
 
     def set_rng_state(self, state) -> None:
-        fn = getattr(self.engine, "set_rng_state", None)
-        if callable(fn) and state is not None:
-            fn(state)
+        if self.caps.saves_rng and state is not None:
+            self.engine.set_rng_state(state)
 
     def pause(self, mode: str = "wait") -> float:
         """Close the gate, then pause the engine: "wait" lets running calls finish first, "keep" parks them
@@ -270,9 +266,7 @@ class RolloutActor:
         """Leave the weight-sync group, then stop the engine's own processes (vLLM/SGLang workers)."""
         if self.receiver is not self.engine:
             self.close_receiver()
-        stop = getattr(self.engine, "shutdown", None)
-        if callable(stop):
-            stop()
+        self.engine.shutdown()
 
 
 def sampling_params(cfg_sampling, n: int) -> SamplingParams:

@@ -43,13 +43,30 @@ class SamplingParams:
     seed: int | None = None
 
 
+TRANSPORTS = frozenset({"ipc", "broadcast"})
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do, declared by its class (`capabilities`) and read by the rollout actor, the coordinator
+    and the benchmarks, which never probe an engine for methods. Where it depends on the engine's own settings
+    (SGLang: tensor parallelism) the class makes `capabilities` a property."""
+    partial_rollouts: bool = False       # keep/abort pauses act between two decode steps (else only "wait")
+    concurrent_generate: bool = False    # generate calls may run at once (streaming engines batch them together)
+    reports_decode_steps: bool = False   # progress_steps moves every decode step (the hang watchdog's sign of life)
+    own_receivers: bool = False          # setup_receiver runs receivers in the engine's own processes (vLLM, SGLang);
+                                         # else the rollout actor's WeightReceiver calls its load_weights, checksums
+                                         # and replay_params, on its `device`
+    streams: frozenset = TRANSPORTS      # transports over which a whole sync is one call that checks what it loads
+                                         # (RolloutActor.sync_weights); the coordinator feeds the others bucket by bucket
+    aborts_syncs: bool = False           # its own receivers poll the rollout actor's abort flag (weight_sync/abort.py)
+    saves_rng: bool = False              # rng_state / set_rng_state: a resumed or repaired run samples bit-exactly
+
+
 def streams_over(engine, transport: str) -> bool:
-    """Whether `engine` takes a whole sync over `transport` ("ipc" or "broadcast") in one call that checks what it
-    loads itself (RolloutActor.sync_weights; the coordinator feeds the others bucket by bucket). An engine's
-    `streams` is a bool (every transport) or the transports it streams (SGLang: colocated only); an engine without
-    receivers of its own (hf: the actor's WeightReceiver) streams."""
-    s = getattr(engine, "streams", not hasattr(engine, "setup_receiver"))
-    return transport in s if isinstance(s, (tuple, list, set, frozenset)) else bool(s)
+    """Whether `engine` takes a whole sync over `transport` ("ipc" or "broadcast") in one call (its declared
+    `capabilities.streams`)."""
+    return transport in engine.capabilities.streams
 
 
 def per_prompt_params(params: "SamplingParams | Sequence[SamplingParams]", count: int) -> list[SamplingParams]:
@@ -102,8 +119,8 @@ class EngineLifecycle:
     between two steps)."""
 
     name: str
-    supports_partial_rollouts = False   # engines whose decode loop honours keep/abort set True
-    reports_decode_steps = False        # engines whose decode loop calls _between_steps (progress_steps moves)
+    capabilities = Capabilities()   # each engine kind declares its own
+
 
     def _init_lifecycle(self) -> None:
         self._paused = False
@@ -159,7 +176,7 @@ class EngineLifecycle:
     def pause(self, mode: str = "wait") -> None:
         if mode not in PAUSE_MODES:
             raise EngineError(f"engine {self.name}: unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
-        if mode != "wait" and not self.supports_partial_rollouts:
+        if mode != "wait" and not self.capabilities.partial_rollouts:
             raise EngineError(f"engine {self.name}: pause mode {mode!r} is not supported by this engine kind; use 'wait'")
         if mode == "wait":
             with self._lock:   # waits for an in-flight generate to finish
@@ -178,3 +195,6 @@ class EngineLifecycle:
 
     def is_asleep(self) -> bool:
         return bool(self._asleep)
+
+    def shutdown(self) -> None:
+        """Stop the engine's own processes (none here)."""

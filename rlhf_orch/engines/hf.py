@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 import transformers
 
-from rlhf_orch.engines.base import EngineLifecycle, per_prompt_params
+from rlhf_orch.engines.base import TRANSPORTS, Capabilities, EngineLifecycle, per_prompt_params
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample, dtype_from_name
 from rlhf_orch.weight_sync.buckets import checksums
@@ -45,8 +45,6 @@ def _cache_of(out):
 
 
 class HFEngine(EngineLifecycle):
-    supports_partial_rollouts = True
-    reports_decode_steps = True
     def __init__(self, name: str, model_path: str, device: str = "cpu", dtype: str = "float32",
                  device_id: str = "", max_batch_size: int = 256, seed: int = 0, decode_delay_s: float = 0.0,
                  stepwise_sync: bool = False, sync_delay_s: float = 0.0):
@@ -57,7 +55,9 @@ class HFEngine(EngineLifecycle):
         self.max_batch_size = max_batch_size
         self.decode_delay_s = decode_delay_s   # test hook: a slow engine
         self.sync_delay_s = sync_delay_s       # test hook: a slow sync (a bucket's load)
-        self.streams = not stepwise_sync       # test hook: the coordinator's bucket-by-bucket path (actors/rollout.py)
+        # stepwise_sync, a test hook: no sync in one call, so the coordinator's bucket-by-bucket path runs
+        self.capabilities = Capabilities(partial_rollouts=True, reports_decode_steps=True, saves_rng=True,
+                                         streams=frozenset() if stepwise_sync else TRANSPORTS)
         self.weight_version = -1        # nothing synced yet: the first sync makes it 0
         self._device_id = device_id
         self._init_lifecycle()

@@ -46,7 +46,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rlhf_orch.engines.base import PAUSE_MODES
+from rlhf_orch.engines.base import PAUSE_MODES, Capabilities
 from rlhf_orch.engines.sglang import HOOK, SGLangEngine
 from rlhf_orch.engines.sglang_stream import write_report
 from rlhf_orch.errors import EngineError
@@ -406,8 +406,7 @@ class StreamingSGLangEngine(SGLangEngine):
     once (continuous batching across them), pauses that keep or abort running requests (partial rollouts), and
     exact per-token versions. Weight sync (broadcast, IPC) and its verification are SGLangEngine's."""
 
-    supports_partial_rollouts = True
-    concurrent_generate = True
+    generation = Capabilities(partial_rollouts=True, concurrent_generate=True)
     weight_loaders = (HOOK, CENSUS)
 
     def _start_engine(self, **kw):

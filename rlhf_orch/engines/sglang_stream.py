@@ -23,10 +23,12 @@ import json
 import logging
 import os
 import pickle
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from rlhf_orch.engines.base import Capabilities
 from rlhf_orch.errors import EngineError
 from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.mailbox import Mailbox
@@ -111,16 +113,16 @@ class ColocatedStream:
     _replay = True
     _abort: dict | None = None   # {"path": the rollout actor's flag, "link": a name of it the scheduler maps}
 
-    @property
-    def streams(self) -> tuple[str, ...]:
-        """The transports taken in one call (engines/base.streams_over): ipc, on a single-GPU engine."""
-        return ("ipc",) if self.tensor_parallel_size == 1 else ()
+    generation = Capabilities()   # what its generate can do (the streaming kind: more)
 
     @property
-    def aborts_syncs(self) -> bool:
-        """Its stream's receiver polls the rollout actor's abort flag (weight_sync/abort.py); SGLang's own broadcast
-        receive (tensor parallel engines) does not: it ends at its group's timeout or when rank 0 leaves the group."""
-        return self.tensor_parallel_size == 1
+    def capabilities(self) -> Capabilities:
+        """A single-GPU engine takes a sync in one call over ipc (our stream's receiver in its scheduler, which polls
+        the rollout actor's abort flag, weight_sync/abort.py); SGLang's own broadcast receive (and tensor parallel
+        engines) is fed bucket by bucket and ends at its group's timeout or when rank 0 leaves the group."""
+        one = self.tensor_parallel_size == 1
+        return replace(self.generation, own_receivers=True, streams=frozenset({"ipc"}) if one else frozenset(),
+                       aborts_syncs=one)
 
     def keep_abort_flag(self, path: str) -> None:
         """At setup_receiver, before the rollout actor unlinks its flag file: a second name of the same shared memory,

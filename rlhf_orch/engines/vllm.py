@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhf_orch.engines.base import WAKE_TAGS, EngineLifecycle, per_prompt_params
+from rlhf_orch.engines.base import WAKE_TAGS, Capabilities, EngineLifecycle, per_prompt_params
 from rlhf_orch.engines.vllm_worker import pack_arg
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
@@ -43,7 +43,9 @@ def multicast_free(tensor_parallel_size: int) -> dict[str, Any]:
 
 class VLLMEngine(EngineLifecycle):
     checksums_mode = "received"   # checksums describe received tensors (see vllm_worker.py)
-    streams = True                # its workers' receivers verify what they load: a sync is one call (actors/rollout.py)
+    # Its workers run the receivers, which verify what they load (a sync is one call over either transport) and
+    # poll the rollout actor's abort flag (weight_sync/abort.py).
+    capabilities = Capabilities(own_receivers=True, aborts_syncs=True)
 
     def __init__(self, name: str, model_path: str, device: str = "cuda", device_id: str = "",
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,
@@ -156,8 +158,6 @@ class VLLMEngine(EngineLifecycle):
                       finish_reason=reason, weight_version=self.weight_version, engine=self.name, text=c.text)
 
     # ---- weight sync (the actor shell forwards these; receivers live in the vLLM workers) ----------
-    aborts_syncs = True   # its workers' receivers poll the actor's abort flag (weight_sync/abort.py)
-
     def setup_receiver(self, layouts, group: dict | None, rank_offset: int, verify: bool, timeout_s: float,
                        replay: bool = True, abort_flag: str | None = None) -> float:
         """Build a receiver in every worker; with `group`, worker k joins as rank rank_offset + k. Returns seconds.

@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from rlhf_orch.engines.base import PAUSE_MODES, WAKE_TAGS, per_prompt_params   # = vLLM's PauseMode (v1/engine/__init__.py:26)
+from rlhf_orch.engines.base import PAUSE_MODES, WAKE_TAGS, Capabilities, per_prompt_params   # = vLLM's PauseMode (v1/engine/__init__.py:26)
 from rlhf_orch.engines.vllm import EXTENSION, VLLMEngine
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
@@ -295,8 +295,7 @@ class StreamingVLLMEngine(VLLMEngine):
     mode (partial rollouts) or "abort" them. Weight loading, checksums and sleep are VLLMEngine's, through the
     runner's collective_rpc/sleep/wake_up, which take the same arguments as LLM's."""
 
-    supports_partial_rollouts = True
-    concurrent_generate = True
+    capabilities = Capabilities(own_receivers=True, aborts_syncs=True, partial_rollouts=True, concurrent_generate=True)
 
     def _start_llm(self, model_path: str, **kw):
         return AsyncVLLMRunner(model_path, **kw)

@@ -45,7 +45,7 @@ def _tok():
 
 
 def test_streaming_sglang_contract(engine, dirs):
-    assert engine.concurrent_generate and engine.supports_partial_rollouts
+    assert engine.capabilities.concurrent_generate and engine.capabilities.partial_rollouts
     run_contract(engine, dirs[0], dirs[1], _tok(), atol=0.05, dtype=torch.bfloat16)
 
 

@@ -10,6 +10,7 @@ import pytest
 import actors.rollout as rollout_mod
 from actors.rollout_manager import group_seed
 from rlhf_orch.config.loader import load_config
+from rlhf_orch.engines.base import Capabilities
 from rlhf_orch.errors import ConfigError, EngineError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +94,8 @@ def test_deterministic_rules():
 
 class FakeEngine:
     """Records the order of calls; each takes `secs`; pause/resume/finish_sync as an engine's lifecycle."""
-    concurrent_generate = False
+    capabilities = Capabilities()
+    progress_steps = 0
 
     def __init__(self, name, device, device_id, **kw):
         self.name, self.weight_version, self.secs, self.order = name, 0, 0.05, []
@@ -109,6 +111,9 @@ class FakeEngine:
 
     def resume(self):
         pass
+
+    def is_asleep(self):
+        return False
 
     def finish_sync(self, version):
         self.weight_version = version

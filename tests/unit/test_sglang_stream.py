@@ -109,7 +109,7 @@ def _send(sender, values, sync_id):
 
 def test_two_syncs_in_one_call_each_then_replayed_copies_follow_the_weights(tmp_path):
     model, eng, sender = _setup(tmp_path)
-    assert eng.streams == ("ipc",)
+    assert eng.capabilities.streams == {"ipc"}
     for sync_id in (1, 2, 3):
         if sync_id == 3:   # re-installing the load wrapper (verify off for SGLang's own calls) keeps the stream
             install(model, {"dir": str(tmp_path), "verify": False}, 0, "cpu")
@@ -163,7 +163,7 @@ def test_stream_before_connect_and_unknown_requests_are_refused(tmp_path):
     with pytest.raises(RuntimeError, match="only serves rlhf_orch's own requests"):
         hook(model, [("model.embed_tokens.weight", torch.zeros(1))])
     eng.tensor_parallel_size = 2
-    assert eng.streams == ()
+    assert eng.capabilities.streams == frozenset()
     with pytest.raises(EngineError, match="single-GPU engine"):
         eng.connect_stream([], 10)
 
@@ -174,7 +174,7 @@ def test_an_aborted_sync_ends_the_schedulers_receive_at_once(tmp_path):
     whose trainer side is gone in milliseconds, not at the 10 s deadline."""
     flag = AbortFlag.create()
     model, eng, sender = _setup(tmp_path, abort_flag=flag)
-    assert eng.aborts_syncs and not os.path.exists(eng._abort["link"])   # the scheduler took the link
+    assert eng.capabilities.aborts_syncs and not os.path.exists(eng._abort["link"])   # the scheduler took the link
     out = {}
 
     def receive():
