@@ -192,18 +192,23 @@ def test_an_engine_killed_during_an_overlapped_sync_is_replaced_from_the_staged_
     and the trainer ranks may already hold step s+1's weights when its failure is seen. The dedicated engine is
     SIGKILLed inside such a transfer (its loads take 1 s): the driver sees the failed sync while it waits for the next
     batch (the survivor stays paused until a verified sync), replaces the engine, sends the staged copy of version s
-    again to both, and the run finishes with every step once and every sync verified."""
+    again to both, and the run finishes with every step once and every sync verified. Later the weight-sync
+    coordinator is SIGKILLed inside another overlapped transfer (issue #34): it is replaced in place and the staged
+    copy sent again, verified, without a run restart."""
     run = tmp_path / "overlap_kill"
     info: list = []
-    killer = kill_in_turn(run, [("-engine-dedicated", 3, "-engine-dedicated")], info, poll_s=0.02)
+    killer = kill_in_turn(run, [("-engine-dedicated", 3, "-engine-dedicated"),
+                                ("-weight-sync", 5, "-engine-dedicated.r1")], info, poll_s=0.02)
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                       "experiment.name=overlap_kill", "experiment.steps=8", "rollout.max_staleness=1",
                       "metrics.plots=false", *COMMON, "engines.1.sync_delay_s=1.0"])
     killer.join(timeout=5)
-    assert rc == 0 and len(info) == 1 and "pid" in info[0], info
+    assert rc == 0 and len(info) == 2 and all("pid" in i for i in info), info
     _, summary = _check_run(run, 8, overlapped=True)
     assert summary["status"] == "finished" and summary["verified_syncs"] == summary["syncs"] == 9
-    [f] = summary["faults"]
+    assert summary["run_restarts"] == []
+    [f, c] = summary["faults"]
     assert (f["engine"], f["replacement"], f["phase"]) == ("dedicated", "dedicated.r1", "mid-sync"), f
     assert f["first_sync_verified"] is True and f["survivors_let_go_s"] < 5, f
     assert f["first_sync_version"] == f["sync_version"], f   # the staged version again, not the trainer's later one
+    assert c["victim"] == "weight-sync coordinator" and c["recovery"] == "in place", c
