@@ -19,7 +19,7 @@ from actors.overlap import OverlappedSync
 from actors.placement import allocate
 from actors.ray_session import init_ray
 from actors.recovery import EngineRecovery
-from actors.roles import critic_kwargs, reference_kwargs, start_role_groups
+from actors.roles import start_role_groups
 from actors.reward import start_reward_workers
 from actors.rollout import RolloutActor
 from actors.trainer import TrainerGroup
@@ -116,14 +116,6 @@ class Cluster(EngineRecovery):
                 sleep_levels[ename] = ecfg.sleep_level
         # builds builtin:tiny-rm first; a GPU only for reward.device cuda; the manager replaces one that dies
         self.rewarders, reward_workers = start_reward_workers(cfg, name, env)
-        tkw = dict(zero_stage=cfg.trainer.zero_stage, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
-                   grad_clip=cfg.trainer.grad_clip, bf16=cfg.trainer.bf16, algorithm=cfg.algorithm.model_dump(),
-                   temperature=cfg.engines[0].sampling.temperature,
-                   ppo_epochs=cfg.trainer.ppo_epochs, seed=cfg.experiment.seed,
-                   micro_batch_size=cfg.trainer.micro_batch_size, gradient_checkpointing=cfg.trainer.gradient_checkpointing,
-                   max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch, packing=cfg.trainer.packing,
-                   attn=cfg.trainer.attn, logprob_chunk_tokens=cfg.trainer.logprob_chunk_tokens,
-                   peak_tflops=cfg.trainer.peak_tflops, critic=critic_kwargs(cfg, colocated=True))
         # Engines first: vLLM sizes its memory from what is free when it starts, and a colocated trainer
         # allocating meanwhile would skew that; then colocated engines sleep while the trainer starts.
         t0 = time.perf_counter()
@@ -134,9 +126,8 @@ class Cluster(EngineRecovery):
         stage(f"engines up: {', '.join(self.engines)}")
         self.colocation = Colocation(self.trainers, self.engines, sleep_levels, cfg.trainer.offload, device, self.timeout)
         self.colocation.start()
-        self.trainers.init(model_path, tkw)
+        self.trainers.init(model_path, cfg)   # each rank builds its model from the typed config
         stage(f"{cfg.trainer.num_ranks} trainer rank(s) up (DeepSpeed ZeRO-{cfg.trainer.zero_stage})")
-        self.trainer_kwargs = tkw
         # A separate reference loads at snapshot_reference; a separate critic now.
         self.references, self.critics = start_role_groups(cfg, name, env, self.timeout, model_path)
         self.colocation.wake_weights()      # receivers are built into awake weights; the KV cache stays freed
@@ -406,7 +397,7 @@ class Cluster(EngineRecovery):
         self.trainers.call("snapshot_reference", self.reference_path, resumed, keep)
         if not keep:
             with self.timeline.span("reference", "load"):
-                self.references.load(self.model_path, reference_kwargs(self.reference_path, self.trainer_kwargs))
+                self.references.load(self.model_path, self.cfg, self.reference_path)
 
     def _shutdown_actors(self) -> None:
         """Engines leave the broadcast group, then trainers (and a critic group) leave theirs together, then all are

@@ -22,13 +22,10 @@ import time
 import ray
 
 from actors.common import get, setup_process
+from rlhf_orch.config.schema import ExperimentConfig
 from rlhf_orch.errors import TrainerError
+from rlhf_orch.trainer.options import critic_options, reference_options
 from rlhf_orch.weight_sync.collective import free_port
-
-# The policy's forward settings the reference must share to give the same numbers (FrozenReference's arguments).
-FORWARD_KEYS = ("temperature", "micro_batch_size", "max_tokens_per_micro_batch", "packing", "attn",
-                "logprob_chunk_tokens")
-
 
 @ray.remote
 class RoleActor:
@@ -41,18 +38,21 @@ class RoleActor:
         ip = ray.util.get_node_ip_address()
         return ip, free_port(ip)
 
-    def load(self, model_path: str, kwargs: dict, master: tuple[str, int] | None = None) -> str:
-        """Build this rank's model; a critic rank first joins its group's process group at `master`."""
+    def load(self, model_path: str, cfg: ExperimentConfig, master: tuple[str, int] | None = None,
+             state_path: str | None = None) -> str:
+        """Build this rank's model from the run's config (a reference: from the policy's snapshot at `state_path`);
+        a critic rank first joins its group's process group at `master`."""
         if self.role == "reference":
             from rlhf_orch.trainer.reference import FrozenReference
-            self.model = FrozenReference(model_path, device=self.device, **kwargs)
+            self.model = FrozenReference(model_path, device=self.device, **reference_options(cfg, state_path))
             return self.model.device_id()
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         from rlhf_orch.distributed import init_rank
         from rlhf_orch.trainer.critic import DeepSpeedCritic
         device = init_rank(self.rank, self.world_size, self.device)
-        self.model = DeepSpeedCritic(model_path, self.rank, self.world_size, device=device, **kwargs)
+        self.model = DeepSpeedCritic(model_path, self.rank, self.world_size, device=device,
+                                     **critic_options(cfg, colocated=False))
         return str(device)
 
     def _ready(self):
@@ -112,11 +112,11 @@ class RoleGroup:
         return get([getattr(a, method).remote(*args) for a in self.actors], self.timeout_s,
                    f"{self.role} ranks: {method}", TrainerError)
 
-    def load(self, model_path: str, kwargs: dict) -> list[str]:
+    def load(self, model_path: str, cfg: ExperimentConfig, state_path: str | None = None) -> list[str]:
         master = None
         if self.role == "critic":   # rank 0 hosts the group's store
             master = get(self.actors[0].node_address.remote(), self.timeout_s, "critic rank 0", TrainerError)
-        return get([a.load.remote(model_path, kwargs, master) for a in self.actors], self.timeout_s,
+        return get([a.load.remote(model_path, cfg, master, state_path) for a in self.actors], self.timeout_s,
                    f"{self.role} ranks to load their model", TrainerError)
 
     def _shares(self, n: int) -> list[list[int]]:
@@ -150,25 +150,6 @@ class RoleGroup:
                 for actor, share in zip(self.actors, self._shares(len(shards)))]
 
 
-def critic_kwargs(cfg, colocated: bool) -> dict | None:
-    """The critic's settings: for the policy ranks (`colocated`: None unless the critic lives in them) or for a
-    critic group of its own."""
-    c, t = cfg.critic, cfg.trainer
-    if colocated != (c.placement == "colocated"):
-        return None
-    kw = dict(lr=c.lr, weight_decay=c.weight_decay, zero_stage=t.zero_stage if c.zero_stage is None else c.zero_stage,
-              grad_clip=t.grad_clip, bf16=t.bf16, seed=cfg.experiment.seed, cliprange_value=c.cliprange_value,
-              vf_coef=c.vf_coef, gradient_checkpointing=t.gradient_checkpointing,
-              micro_batch_size=t.micro_batch_size if c.micro_batch_size is None else c.micro_batch_size,
-              max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, packing=t.packing, attn=t.attn)
-    return {**kw, "model_path": c.model_path, "warmup_steps": c.warmup_steps} if colocated else kw
-
-
-def reference_kwargs(state_path: str, trainer_kwargs: dict) -> dict:
-    """A reference rank's FrozenReference arguments: the snapshot and the policy's forward settings."""
-    return {"state_path": state_path, **{k: trainer_kwargs[k] for k in FORWARD_KEYS}}
-
-
 def start_role_groups(cfg, name: str, env: dict, timeout_s: float, model_path: str) -> tuple:
     """(reference group, critic group): each None unless the algorithm has the role and its placement is separate.
     The critic group loads its model at once; the reference group loads the policy's snapshot at RL start."""
@@ -181,7 +162,7 @@ def start_role_groups(cfg, name: str, env: dict, timeout_s: float, model_path: s
     if "critic" in roles and cfg.critic.placement == "separate":
         critics = RoleGroup("critic", cfg.critic.num_ranks, device, name, env, timeout_s, cfg.critic.gpus_per_rank)
         try:
-            critics.load(cfg.critic.model_path or model_path, critic_kwargs(cfg, colocated=False))
+            critics.load(cfg.critic.model_path or model_path, cfg)
         except BaseException:   # the caller never sees these groups, so it could not stop them
             for group in (references, critics):
                 for a in group.actors if group else []:

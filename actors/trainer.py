@@ -14,8 +14,10 @@ import ray
 
 from actors.common import actor_env, get, setup_process
 from actors.placement import Placement
+from rlhf_orch.config.schema import ExperimentConfig
 from rlhf_orch.errors import TrainerError
 from rlhf_orch.trainer.batch import shard
+from rlhf_orch.trainer.options import critic_options, policy_options
 from rlhf_orch.trainer.packing import imbalance
 from rlhf_orch.types import TrainBatch
 from rlhf_orch.weight_sync import WeightSender
@@ -42,13 +44,15 @@ class TrainerActor:
         ip = ray.util.get_node_ip_address()
         return ip, free_port(ip)
 
-    def init(self, master_addr: str, master_port: int, model_path: str, kwargs: dict) -> str:
+    def init(self, master_addr: str, master_port: int, model_path: str, cfg: ExperimentConfig) -> str:
+        """Build this rank's DeepSpeed policy (and the critic, where it lives in the policy ranks) from the run's
+        config (rlhf_orch/trainer/options.py)."""
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         from rlhf_orch.trainer.deepspeed_trainer import DeepSpeedTrainer
-        kwargs = dict(kwargs)
-        critic = kwargs.pop("critic", None)
-        self.trainer = DeepSpeedTrainer(model_path, self.rank, self.world_size, device=self.device, **kwargs)
+        critic = critic_options(cfg, colocated=True)
+        self.trainer = DeepSpeedTrainer(model_path, self.rank, self.world_size, device=self.device,
+                                        **policy_options(cfg))
         self.critic, self._prepared = None, None
         if self.trainer.algo.needs_critic and critic is not None:   # critic.placement colocated: in this process
             from rlhf_orch.trainer.critic import DeepSpeedCritic
@@ -285,9 +289,9 @@ class TrainerGroup:
     def _all(self, what: str, method: str, *args):
         return get([getattr(a, method).remote(*args) for a in self.actors], self.timeout_s, what, TrainerError)
 
-    def init(self, model_path: str, kwargs: dict) -> list[str]:
+    def init(self, model_path: str, cfg: ExperimentConfig) -> list[str]:
         addr, port = get(self.actors[0].node_address.remote(), self.timeout_s, "trainer rank 0", TrainerError)
-        refs = [a.init.remote(addr, port, model_path, kwargs) for a in self.actors]
+        refs = [a.init.remote(addr, port, model_path, cfg) for a in self.actors]
         return get(refs, self.timeout_s, "trainer ranks to initialise DeepSpeed", TrainerError)
 
     def logprobs(self, batch: TrainBatch):

@@ -12,13 +12,8 @@
 # Files in $OUT (kept few: at most 8 come back): gpus.txt, NAME.log, RESULTS_gpu.md (the tables), and for the
 # weight-sync runs NAME.json (every round's seconds and the summaries).
 set -uo pipefail
-export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-  NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-  RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 GLOO_SOCKET_IFNAME=lo TORCH_EXTENSIONS_DIR=/tmp/torch_ext \
-  RLHF_ORCH_LOG_LEVEL=WARNING TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+. bench/device/env.sh
 what=${1:-all}; shift || true
-nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 ngpu=$(nvidia-smi -L | wc -l)
 python3 -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)" 2>&1 | tail -1
 status=0

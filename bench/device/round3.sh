@@ -5,14 +5,7 @@
 #                                       # inside a weight sync; seconds from the death to serving again
 #   bash bench/device/round3.sh tests   # the GPU tests these changes touch
 set -uo pipefail
-export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-  NVSHMEM_DISABLE_NVLS=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 GLOO_SOCKET_IFNAME=lo \
-  TORCH_EXTENSIONS_DIR=/tmp/torch_ext RLHF_ORCH_LOG_LEVEL=WARNING TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
-B1=(model.tiny.hidden_size=2048 model.tiny.intermediate_size=8192 model.tiny.num_hidden_layers=16
-    model.tiny.num_attention_heads=32 model.tiny.num_key_value_heads=8 model.tiny.max_position_embeddings=1100
-    trainer.bf16=true trainer.warm_start_steps=0 weight_sync.bucket_size_mb=512)
+. bench/device/env.sh
 case "${1:-}" in
   pause)
     timeout -k 20 "${PAUSE_TIMEOUT:-540}" python3 bench/pause_latency.py --engine vllm --running 0 64 256 512 \

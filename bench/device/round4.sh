@@ -8,18 +8,10 @@
 #                                      # engine (GPUs 2,3), packed; phase times, MFU, rank imbalance (item 3)
 # Files in $OUT (at most 8 come back): gpus.txt, one log per job, the async table, and a tar of each run's metrics.
 set -uo pipefail
-export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-  NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-  RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 GLOO_SOCKET_IFNAME=lo TORCH_EXTENSIONS_DIR=/tmp/torch_ext \
-  RLHF_ORCH_LOG_LEVEL=INFO TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+RLHF_ORCH_LOG_LEVEL=INFO; . bench/device/env.sh
 git log -1 --format='code: %h %s' 2>/dev/null; git status --short 2>/dev/null | head -5
-# The 1B shape (issue #12's workload) and the 8B shape (Llama-3.1-8B's layers; the built-in tokenizer's small vocab).
-B1=(model.tiny.hidden_size=2048 model.tiny.intermediate_size=8192 model.tiny.num_hidden_layers=16
-    model.tiny.num_attention_heads=32 model.tiny.num_key_value_heads=8 model.tiny.max_position_embeddings=1100
-    trainer.bf16=true trainer.warm_start_steps=0 weight_sync.bucket_size_mb=512 metrics.plots=false
-    metrics.ray_metrics=false trainer.export_hf=false trainer.checkpoint_every_minutes=0)
+# B1 (env.sh) is issue #12's 1B shape; B8 Llama-3.1-8B's layers with the built-in tokenizer's small vocabulary.
+B1+=(metrics.plots=false metrics.ray_metrics=false trainer.export_hf=false trainer.checkpoint_every_minutes=0)
 B8=(model.tiny.hidden_size=4096 model.tiny.intermediate_size=14336 model.tiny.num_hidden_layers=32
     model.tiny.num_attention_heads=32 model.tiny.num_key_value_heads=8 model.tiny.max_position_embeddings=1100
     trainer.bf16=true trainer.warm_start_steps=0 weight_sync.bucket_size_mb=512 metrics.plots=false
