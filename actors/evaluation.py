@@ -41,8 +41,9 @@ def run_eval(cluster, es: EvalSet, step: int) -> dict[str, float]:
         at += len(group)
     m = aggregate(per_prompt_r, per_prompt_len, es.n, es.threshold)
     m["eval/s"] = time.perf_counter() - t0
-    logger.info("eval after step %d: reward %.4f, pass@1 %.4f, pass@%d %.4f, %d prompts x %d, %.2fs", step,
-                m["eval/reward_mean"], m["eval/pass@1"], es.n, m["eval/pass@k"], len(es.prompts), es.n, m["eval/s"])
+    at_k = f", pass@{es.n} {m['eval/pass@k']:.4f}" if es.n > 1 else ""   # at n = 1 it is pass@1 again
+    logger.info("eval after step %d: reward %.4f, pass@1 %.4f%s, %d prompts x %d, %.2fs", step,
+                m["eval/reward_mean"], m["eval/pass@1"], at_k, len(es.prompts), es.n, m["eval/s"])
     return m
 
 

@@ -20,7 +20,7 @@ from rlhf_orch.metrics import (
     plot_run,
     read_jsonl,
 )
-from rlhf_orch.metrics.plots import _MAX_RAW, _trend
+from rlhf_orch.metrics.plots import _MAX_RAW, _eval_panel, _trend
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -241,6 +241,22 @@ def test_long_series_are_faint_points_under_a_rolling_mean():
         assert len(ax.collections) == 1 and ax.collections[0].get_alpha() < 0.5   # the raw points, faint
         [short] = _trend(ax, xs[:_MAX_RAW], ys[:_MAX_RAW], "C1", "short")
         assert short.get_marker() == "." and short.get_label() == "short"
+    finally:
+        plt.close(fig)
+
+
+@pytest.mark.parametrize("k, labels", [(1, ["eval reward", "pass@1"]), (4, ["eval reward", "pass@1", "pass@4"])])
+def test_eval_panel_draws_pass_at_k_only_when_k_is_not_one(k, labels):
+    """Issue #31: with one sample per prompt pass@k is pass@1, and the panel had two "pass@1" legends."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    try:
+        pairs = [(s, {"eval/reward_mean": 0.1 * s, "eval/pass@1": 0.1 * s, "eval/pass@k": 0.2 * s, "eval/k": float(k)})
+                 for s in (50, 100)]
+        _eval_panel(ax, pairs)
+        assert [line.get_label() for line in ax.get_lines()] == labels
     finally:
         plt.close(fig)
 
