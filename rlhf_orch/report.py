@@ -23,9 +23,12 @@ def end_of_run(summary: dict, run_dir: Path) -> list[str]:
                      f"{summary['reward_last']:.3f}")
     ev = summary.get("eval") or {}
     scores = {k.split("/", 1)[1]: v for k, v in ev.items() if k.startswith("eval/") and isinstance(v, (int, float))}
-    if scores:
-        shown = ", ".join(f"{k} {v:.3f}" for k, v in sorted(scores.items())[:4])
-        lines.append(f"last evaluation (step {ev.get('step', '?')}): {shown}")
+    if scores:   # its reward, pass@1 and (with several samples per prompt) pass@k; summary.json has the rest
+        k = int(scores.get("k", 1))
+        named = [("reward_mean", "reward"), ("pass@1", "pass@1")] + ([("pass@k", f"pass@{k}")] if k > 1 else [])
+        shown = ", ".join(f"{name} {scores[key]:.3f}" for key, name in named if key in scores)
+        prompts = f" on {int(scores['prompts'])} prompts" if "prompts" in scores else ""
+        lines.append(f"last evaluation (step {ev.get('step', '?')}): {shown}{prompts}")
     if "syncs" in summary:
         lines.append(f"weight syncs verified: {summary.get('verified_syncs', 0)} of {summary['syncs']}")
     faults, restarts = summary.get("faults") or [], summary.get("run_restarts") or []

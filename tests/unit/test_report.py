@@ -17,7 +17,7 @@ def test_a_finished_run_reports_its_numbers_and_every_output(tmp_path):
     text = "\n".join(lines)
     assert lines[0] == "run finished after 600 steps in 123 s"
     assert "0.138 -> 0.865" in text and "weight syncs verified: 601 of 601" in text
-    assert "last evaluation (step 600): pass@1 0.500, reward_mean 0.750" in text
+    assert "last evaluation (step 600): reward 0.750, pass@1 0.500" in text
     assert "faults: 2 (1 replaced in place), run restarts: 1" in text
     assert "checkpoints/step600" in text and "metrics.jsonl" in text and "summary.json" in text
     assert "plots/: phase_times.png, reward.png, staleness.png, sync.png, timeline.png" in text   # all five
