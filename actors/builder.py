@@ -143,17 +143,10 @@ class Cluster(EngineRecovery):
         seed derived from its slot and restart count, so a rerun of the same faults samples the same."""
         cfg, slot = self.cfg, self.slots[ename]
         ecfg, bundle = slot["ecfg"], slot["bundle"]
-        kwargs = {"model_path": self.model_path, "dtype": cfg.model.dtype,
-                  "seed": cfg.experiment.seed + 1000 * (slot["index"] + 1) + 7919 * restart}
-        kwargs.update(ecfg.model_dump(exclude={"name", "count", "placement", "sampling", "kind", "sleep_level",
-                                               "python_path"}))
-        if ecfg.kind == "hf":
-            kwargs.pop("tensor_parallel_size")
-        if ecfg.kind == "sglang":   # SGLang must know at start whether it will release memory
-            kwargs.update(enable_memory_saver=ecfg.sleep_level > 0, enable_weights_cpu_backup=ecfg.sleep_level == 1)
+        seed = cfg.experiment.seed + 1000 * (slot["index"] + 1) + 7919 * restart
         opts = self.placement.options(bundle, f"{cfg.experiment.name}-engine-{ename}", engine_env(self.env, ecfg))
-        kind = f"{ecfg.kind}-streaming" if getattr(ecfg, "streaming", False) else ecfg.kind   # vllm-/sglang-streaming
-        return RolloutActor.options(**opts).remote(ename, kind, cfg.trainer.device, self.placement.device_id(bundle), kwargs)
+        return RolloutActor.options(**opts).remote(ename, ecfg, cfg.trainer.device, self.placement.device_id(bundle),
+                                                   self.model_path, cfg.model.dtype, seed)
 
     def _sinks(self):
         from actors.metrics_sink import RayMetricsSink

@@ -17,7 +17,8 @@ import time
 import ray
 
 from actors.common import setup_process
-from rlhf_orch.engines import SamplingParams, engine_class
+from rlhf_orch.config.schema import EngineConfig
+from rlhf_orch.engines import SamplingParams, engine_class, engine_options
 from rlhf_orch.engines.base import streams_over
 from rlhf_orch.errors import EngineError
 from rlhf_orch.weight_sync import WeightReceiver
@@ -27,11 +28,13 @@ from rlhf_orch.weight_sync.replay import LoadReplay
 
 @ray.remote(max_concurrency=64)
 class RolloutActor:
-    def __init__(self, name: str, kind: str, device: str, device_id: str, kwargs: dict):
+    def __init__(self, name: str, ecfg: EngineConfig, device: str, device_id: str, model_path: str, dtype: str,
+                 seed: int):
+        """The engine its typed section describes (rlhf_orch/engines.engine_options), on `device_id`."""
         setup_process(device)
         self.name = name
-        cls = engine_class(kind)
-        self.engine = cls(name=name, device=device, device_id=device_id, **kwargs)
+        kind, kwargs = engine_options(ecfg, model_path, dtype, seed)
+        self.engine = engine_class(kind)(name=name, device=device, device_id=device_id, **kwargs)
         self.receiver = None
         self.verify = True
         self._gate = threading.Condition()

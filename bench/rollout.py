@@ -96,6 +96,16 @@ def engine_kwargs(args, model_path: str) -> dict:
     return kw
 
 
+def engine_section(args):
+    """Our side's engine, as a config names it (the same options engine_kwargs gives the bare side)."""
+    from rlhf_orch.config.schema import HFEngineConfig, VLLMEngineConfig
+    if args.dry_run:
+        return HFEngineConfig(kind="hf")
+    return VLLMEngineConfig(kind="vllm", gpu_memory_utilization=args.gpu_mem, enable_sleep_mode=args.sleep_mode,
+                            enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, load_format="dummy",
+                            kv_cache_memory_gb=args.kv_cache_gb or None)
+
+
 def our_params(args, ignore_eos: bool) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_tokens, n=args.n,
                           ignore_eos=ignore_eos)
@@ -177,8 +187,8 @@ def side_ours(args, model_path: str) -> None:
         opts = {"runtime_env": {"env_vars": actor_env(device)}}
         if not args.dry_run:
             opts["num_gpus"] = 1
-        kind = "hf" if args.dry_run else "vllm"
-        actor = RolloutActor.options(**opts).remote("bench", kind, device, "", engine_kwargs(args, model_path))
+        actor = RolloutActor.options(**opts).remote("bench", engine_section(args), device, "", model_path,
+                                                    "float32" if args.dry_run else "bfloat16", args.seed)
         ray.get(actor.weight_version.remote(), timeout=args.side_timeout)   # waits for the engine to start
         prompts, params = make_prompts(args), our_params(args, True)
 

@@ -4,18 +4,16 @@ Cross-field rules live in one validator (`ExperimentConfig._cross_checks`) that 
 at once, each naming the field and the fix. The engine section is a list of entries chosen by `kind`
 (a discriminated union), so vLLM/SGLang options are validated without importing either package.
 
-This module only describes and validates; loading YAML, overrides and imports of user code live in
-loader.py.
+This module only describes and validates; loading YAML, overrides and imports of user code live in loader.py.
 """
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError   # RewardSection's messages, without pydantic's "Value error," prefix
 
 from rlhf_orch.models.tiny import TinyModelSpec
-from pydantic import field_validator   # RewardSection's validators
-from pydantic_core import PydanticCustomError   # their messages, without pydantic's "Value error," prefix
 from rlhf_orch.rewards import NO_FUNCTION
 
 
@@ -331,6 +329,7 @@ class VLLMEngineConfig(_EngineBase):
     kv_cache_memory_gb: float | None = Field(None, gt=0, description="Fixed KV-cache size per GPU in GiB (overrides "
                                              "gpu_memory_utilization for the cache; keeps prefix-cache resets cheap on small models).")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response vLLM schedules (default: the model's).")
+    load_format: str = Field("auto", description="How vLLM reads the weights at start; dummy: random (benchmarks).")
     streaming: bool = Field(False, description="Run vLLM's AsyncLLM: many generate calls in flight at once, and pauses "
                             "that keep or abort running requests (needed for rollout.partial_rollouts).")
 
@@ -342,6 +341,7 @@ class SGLangEngineConfig(_EngineBase):
                                     "environment (its exact pins clash with vLLM's), e.g. /tmp/site-sglang.")
     disable_cuda_graph: bool = Field(False, description="Skip CUDA graphs (faster start, slower decode).")
     context_length: int | None = Field(None, ge=1, description="Longest prompt + response SGLang schedules (default: the model's).")
+    load_format: str = Field("auto", description="How SGLang reads the weights at start; dummy: random (benchmarks).")
     streaming: bool = Field(False, description="Drive SGLang from its own event-loop thread: many generate calls in flight "
                             "at once, and pauses that keep (retract) or abort running requests (needed for rollout.partial_rollouts).")
 

@@ -31,4 +31,19 @@ def engine_class(kind: str):
         raise ConfigError(f"engines.kind: {kind} needs its extra installed (pip install 'rlhf_orch[{kind}]'): {e}") from e
 
 
-__all__ = ["RolloutEngine", "SamplingParams", "engine_class"]
+# Engine-section fields that are not the engine's own arguments (placement, sampling and sleep are the driver's).
+_NOT_ENGINE_ARGS = {"name", "count", "placement", "sampling", "kind", "sleep_level", "python_path"}
+
+
+def engine_options(ecfg, model_path: str, dtype: str, seed: int) -> tuple[str, dict]:
+    """(registry kind, keyword arguments) of the engine an engine section describes, made where it is built (the
+    rollout actor receives the typed section): the section's own fields, and what its kind needs besides."""
+    kwargs = {"model_path": model_path, "dtype": dtype, "seed": seed, **ecfg.model_dump(exclude=_NOT_ENGINE_ARGS)}
+    if ecfg.kind == "hf":
+        kwargs.pop("tensor_parallel_size")
+    if ecfg.kind == "sglang":   # SGLang must know at start whether it will release memory
+        kwargs.update(enable_memory_saver=ecfg.sleep_level > 0, enable_weights_cpu_backup=ecfg.sleep_level == 1)
+    return (f"{ecfg.kind}-streaming" if getattr(ecfg, "streaming", False) else ecfg.kind), kwargs   # vllm-/sglang-streaming
+
+
+__all__ = ["RolloutEngine", "SamplingParams", "engine_class", "engine_options"]

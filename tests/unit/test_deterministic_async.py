@@ -10,6 +10,7 @@ import pytest
 import actors.rollout as rollout_mod
 from actors.rollout_manager import group_seed
 from rlhf_orch.config.loader import load_config
+from rlhf_orch.config.schema import HFEngineConfig
 from rlhf_orch.engines.base import Capabilities
 from rlhf_orch.errors import ConfigError, EngineError
 
@@ -125,7 +126,7 @@ def actor(monkeypatch):
     # Patch the globals the class's own methods read: after the integration tests ran in this process, they were not
     # those of the `actors.rollout` this module imported (seen in a full CI run; the module alone passed).
     monkeypatch.setitem(cls.__init__.__globals__, "engine_class", lambda kind: FakeEngine)
-    a = cls("e0", "fake", "cpu", "cpu-0", {})
+    a = cls("e0", HFEngineConfig(kind="hf"), "cpu", "cpu-0", "model", "float32", 0)
     yield a
     if a.abort_flag is not None:
         a.abort_flag.unlink()

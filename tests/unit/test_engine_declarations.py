@@ -48,3 +48,20 @@ def test_vllm_decides_where_multicast_is_not_turned_off(monkeypatch):
     assert multicast_free(2) == {}
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
     assert multicast_free(4) == {}
+
+
+def test_an_engine_section_becomes_its_kind_and_arguments_where_the_engine_is_built():
+    """The rollout actor receives the typed section (issue #28); engine_options turns it into the registry kind and
+    the engine's own arguments: placement, sampling and sleep stay the driver's."""
+    from rlhf_orch.config.schema import HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig
+    from rlhf_orch.engines import engine_options
+    kind, kw = engine_options(HFEngineConfig(kind="hf", decode_delay_s=0.5), "m", "float32", 7)
+    assert kind == "hf" and kw == {"model_path": "m", "dtype": "float32", "seed": 7, "max_batch_size": 256,
+                                   "decode_delay_s": 0.5, "stepwise_sync": False, "sync_delay_s": 0.0}
+    kind, kw = engine_options(VLLMEngineConfig(kind="vllm", streaming=True, tensor_parallel_size=2,
+                                               load_format="dummy"), "m", "bfloat16", 0)
+    assert kind == "vllm-streaming" and kw["tensor_parallel_size"] == 2 and kw["load_format"] == "dummy"
+    kind, kw = engine_options(SGLangEngineConfig(kind="sglang", placement="colocated", sleep_level=1,
+                                                 python_path="/x"), "m", "bfloat16", 0)
+    assert kind == "sglang" and kw["enable_memory_saver"] and kw["enable_weights_cpu_backup"]
+    assert not {"python_path", "sleep_level", "placement", "sampling", "name", "count", "kind"} & set(kw)
