@@ -27,6 +27,7 @@ from rlhf_orch.errors import TrainerError
 from rlhf_orch.trainer.options import critic_options, reference_options
 from rlhf_orch.weight_sync.collective import free_port
 
+
 @ray.remote
 class RoleActor:
     def __init__(self, role: str, rank: int, world_size: int, device: str):

@@ -77,7 +77,7 @@ def auto_running_requests(cfg: ExperimentConfig, max_staleness: int, warn: bool 
     - wait: max_staleness 0 (nothing runs during a sync: the synchronous loop exactly); deterministic (which requests
       a sync would catch depends on timing); an overlapped sync (`sync_overlapped`: the trainer does not wait for the
       sync, so waiting costs it nothing, while aborting throws away every running request's tokens and restarts the
-      longest ones: bench/RESULTS.md, k1 vs k1w); and, with one warning naming the engine and the fix, engines that
+      longest ones: bench/RESULTS.md, k1 vs k1a); and, with one warning naming the engine and the fix, engines that
       cannot stop mid-request.
     - abort: otherwise (the sync is on the trainer's path and every engine can stop mid-request: kind hf, or
       vllm/sglang with streaming: true).

@@ -121,7 +121,6 @@ class EngineLifecycle:
     name: str
     capabilities = Capabilities()   # each engine kind declares its own
 
-
     def _init_lifecycle(self) -> None:
         self._paused = False
         self._asleep: set[str] = set()

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_orch.engines import engine_class
+from rlhf_orch.config.schema import HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig
+from rlhf_orch.engines import engine_class, engine_options
 from rlhf_orch.engines.base import TRANSPORTS, Capabilities, streams_over
+from rlhf_orch.engines.sglang import SGLangEngine   # imports no SGLang until an engine starts
 from rlhf_orch.engines.vllm import multicast_free
 
 
@@ -28,7 +30,6 @@ def test_vllm_kinds_declare_their_receivers_and_streaming():
 
 @pytest.mark.parametrize("tp, streams, aborts", [(1, {"ipc"}, True), (2, set(), False)])
 def test_sglang_capabilities_follow_its_tensor_parallelism(tp, streams, aborts):
-    from rlhf_orch.engines.sglang import SGLangEngine   # imports no SGLang until an engine starts
     eng = object.__new__(SGLangEngine)
     eng.tensor_parallel_size = tp
     caps = eng.capabilities
@@ -53,8 +54,6 @@ def test_vllm_decides_where_multicast_is_not_turned_off(monkeypatch):
 def test_an_engine_section_becomes_its_kind_and_arguments_where_the_engine_is_built():
     """The rollout actor receives the typed section (issue #28); engine_options turns it into the registry kind and
     the engine's own arguments: placement, sampling and sleep stay the driver's."""
-    from rlhf_orch.config.schema import HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig
-    from rlhf_orch.engines import engine_options
     kind, kw = engine_options(HFEngineConfig(kind="hf", decode_delay_s=0.5), "m", "float32", 7)
     assert kind == "hf" and kw == {"model_path": "m", "dtype": "float32", "seed": 7, "max_batch_size": 256,
                                    "decode_delay_s": 0.5, "stepwise_sync": False, "sync_delay_s": 0.0}
