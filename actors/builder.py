@@ -15,12 +15,14 @@ import ray
 
 from actors.colocation import Colocation
 from actors.common import actor_env, get
+from actors.evaluation import run_eval
+from actors.metrics_sink import RayMetricsSink
 from actors.overlap import OverlappedSync
 from actors.placement import allocate
 from actors.ray_session import init_ray
 from actors.recovery import EngineRecovery
-from actors.roles import start_role_groups
 from actors.reward import start_reward_workers
+from actors.roles import start_role_groups
 from actors.rollout import RolloutActor
 from actors.trainer import TrainerGroup
 from rlhf_orch.checkpoint import (checkpoint_dir, commit, find_good, read_rl_state, staging_dir, truncate_metrics,
@@ -28,7 +30,10 @@ from rlhf_orch.checkpoint import (checkpoint_dir, commit, find_good, read_rl_sta
 from rlhf_orch.config import engine_names
 from rlhf_orch.config.checks import auto_running_requests
 from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError
+from rlhf_orch.metrics import JsonlSink, MultiSink, TensorBoardSink, plot_run, plot_staleness, plot_timeline
 from rlhf_orch.metrics.timeline import Timeline
+from rlhf_orch.metrics.trackers import make_trackers
+from rlhf_orch.trainer.export import export_spec
 
 logger = logging.getLogger(__name__)
 
@@ -149,9 +154,6 @@ class Cluster(EngineRecovery):
                                                    self.model_path, cfg.model.dtype, seed)
 
     def _sinks(self):
-        from actors.metrics_sink import RayMetricsSink
-        from rlhf_orch.metrics import JsonlSink, MultiSink, TensorBoardSink
-        from rlhf_orch.metrics.trackers import make_trackers
         m, sinks = self.cfg.metrics, []
         if "jsonl" in m.trackers:
             path = self.run_dir / "metrics.jsonl"
@@ -260,7 +262,6 @@ class Cluster(EngineRecovery):
         """`eval/` metrics of the engines' weights (version `step`, after the step's sync) on `eval_set`
         (actors/evaluation.py). Colocated engines get their GPU first (the next step's hand-over, done early; with
         max_staleness 0 the manager generates nothing until the next step asks for its batch)."""
-        from actors.evaluation import run_eval
         self.overlap.finish_early()   # the engines must hold version `step` (weight_sync.overlap)
         self._eval_handover.update(self.to_generate(step))
         with self.timeline.span("driver", "eval", step=step):
@@ -354,7 +355,6 @@ class Cluster(EngineRecovery):
                                "engine_rng_missing": sorted(missing)},
                        {f"engine_rng/{n}": r for n, r in rngs.items() if r is not None})
         if self.cfg.trainer.export_hf:   # the policy with the run's tokenizer, chat template and sampling defaults
-            from rlhf_orch.trainer.export import export_spec
             self.trainers.call("export_hf", str(stage / "hf"), export_spec(self.cfg, self.model_path))
         commit(ckpt, tag, self.cfg.trainer.keep_checkpoints)
         logger.info("checkpoint %s written", ckpt / tag)
@@ -420,7 +420,6 @@ class Cluster(EngineRecovery):
             return False
 
     def _write_timeline(self, records: list[dict]) -> None:
-        from rlhf_orch.metrics import plot_staleness, plot_timeline
         path = self.run_dir / "timeline.jsonl"
         path.unlink(missing_ok=True)   # one file per (re)start: times are relative to that start
         self.timeline.write_jsonl(path)
@@ -454,7 +453,6 @@ class Cluster(EngineRecovery):
         if getattr(self, "_rollout_log", None) is not None:
             self._rollout_log.close()
         if self.cfg.metrics.plots and records:
-            from rlhf_orch.metrics import plot_run
             plot_run(records, self.run_dir / "plots")   # the end-of-run report lists every plot (rlhf_orch/report.py)
         try:
             if self.placement is not None:

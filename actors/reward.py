@@ -19,6 +19,9 @@ import ray
 
 from actors.common import setup_process
 from rlhf_orch.config.schema import RewardSection
+from rlhf_orch.models.reward_tiny import RM_BUILTIN, ensure_reward_model_dir
+from rlhf_orch.rewards.model import RewardModel
+from rlhf_orch.rewards.scorer import RewardScorer
 
 
 @ray.remote(num_cpus=0)
@@ -27,11 +30,8 @@ class RewardActor:
                  model_weight: float = 1.0, device: str = "cpu", batch_size: int = 16, dtype: str = "float32",
                  batch: bool = False, timeout_s: float | None = None, dense: bool = False):
         setup_process(device if model_path else "cpu")
-        from rlhf_orch.rewards.scorer import RewardScorer
-
         model = None
         if model_path:
-            from rlhf_orch.rewards.model import RewardModel
             model = RewardModel(model_path, device=device, dtype=dtype, batch_size=batch_size)
         self.scorer = RewardScorer(function, model, function_weight, model_weight, batch, timeout_s, dense)
         self.path = self.scorer.path
@@ -52,8 +52,6 @@ class RewardActor:
 
 def resolve_reward_model(cfg) -> str | None:
     """reward.model_path as a folder: builtin:tiny-rm is built (once) under <output_dir>/models/, like the policy."""
-    from rlhf_orch.models.reward_tiny import RM_BUILTIN, ensure_reward_model_dir
-
     path = cfg.reward.model_path
     if path == RM_BUILTIN:
         path = str(ensure_reward_model_dir(cfg.model.tiny, Path(cfg.experiment.output_dir) / "models",

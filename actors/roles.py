@@ -22,9 +22,14 @@ import time
 import ray
 
 from actors.common import get, setup_process
+from rlhf_orch.algorithms.base import make_algorithm
 from rlhf_orch.config.schema import ExperimentConfig
+from rlhf_orch.distributed import init_rank
 from rlhf_orch.errors import TrainerError
+from rlhf_orch.gpu_memory import with_peak
+from rlhf_orch.trainer.critic import DeepSpeedCritic
 from rlhf_orch.trainer.options import critic_options, reference_options
+from rlhf_orch.trainer.reference import FrozenReference
 from rlhf_orch.weight_sync.collective import free_port
 
 
@@ -44,13 +49,10 @@ class RoleActor:
         """Build this rank's model from the run's config (a reference: from the policy's snapshot at `state_path`);
         a critic rank first joins its group's process group at `master`."""
         if self.role == "reference":
-            from rlhf_orch.trainer.reference import FrozenReference
             self.model = FrozenReference(model_path, device=self.device, **reference_options(cfg, state_path))
             return self.model.device_id()
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
-        from rlhf_orch.distributed import init_rank
-        from rlhf_orch.trainer.critic import DeepSpeedCritic
         device = init_rank(self.rank, self.world_size, self.device)
         self.model = DeepSpeedCritic(model_path, self.rank, self.world_size, device=device,
                                      **critic_options(cfg, colocated=False))
@@ -79,7 +81,6 @@ class RoleActor:
         old values (k of each). Adds `perf/critic_train_s` and on CUDA `mem/critic_peak_gb_max` (this rank's
         allocator peak over the step: the critic group's memory, which the policy ranks' readings no longer
         include)."""
-        from rlhf_orch.gpu_memory import with_peak
         critic, t0, k = self._ready(), time.perf_counter(), len(parts) // 3
         m = with_peak(critic.device, "mem/critic_peak_gb_max", critic.train_parts,
                       list(zip(parts[:k], parts[k:2 * k], parts[2 * k:])), num_tokens_global)
@@ -154,7 +155,6 @@ class RoleGroup:
 def start_role_groups(cfg, name: str, env: dict, timeout_s: float, model_path: str) -> tuple:
     """(reference group, critic group): each None unless the algorithm has the role and its placement is separate.
     The critic group loads its model at once; the reference group loads the policy's snapshot at RL start."""
-    from rlhf_orch.algorithms.base import make_algorithm
     roles, device = make_algorithm(cfg.algorithm.model_dump()).roles, cfg.trainer.device
     references = critics = None
     if "reference" in roles and cfg.reference.placement == "separate":

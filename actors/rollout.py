@@ -21,6 +21,7 @@ from rlhf_orch.config.schema import EngineConfig
 from rlhf_orch.engines import SamplingParams, engine_class, engine_options
 from rlhf_orch.engines.base import streams_over
 from rlhf_orch.errors import EngineError
+from rlhf_orch.gpu_memory import devices_used_gb
 from rlhf_orch.weight_sync import WeightReceiver
 from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.replay import LoadReplay
@@ -262,7 +263,6 @@ class RolloutActor:
 
     def device_memory(self) -> dict[str, float]:
         """{device id: used GiB} of this engine's GPUs (whole devices, via NVML; {} on CPU)."""
-        from rlhf_orch.gpu_memory import devices_used_gb
         return devices_used_gb(self.engine.device_ids())
 
     def shutdown(self) -> None:

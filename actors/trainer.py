@@ -16,9 +16,13 @@ from actors.common import actor_env, get, setup_process
 from actors.placement import Placement
 from rlhf_orch.config.schema import ExperimentConfig
 from rlhf_orch.errors import TrainerError
+from rlhf_orch.gpu_memory import process_memory, stats, with_peak
 from rlhf_orch.trainer.batch import shard
+from rlhf_orch.trainer.critic import DeepSpeedCritic
+from rlhf_orch.trainer.deepspeed_trainer import DeepSpeedTrainer
 from rlhf_orch.trainer.options import critic_options, policy_options
 from rlhf_orch.trainer.packing import imbalance
+from rlhf_orch.trainer.token_step import advantages, policy_update, token_level_step
 from rlhf_orch.types import TrainBatch
 from rlhf_orch.weight_sync import WeightSender
 from rlhf_orch.weight_sync.abort import AbortFlag
@@ -49,13 +53,11 @@ class TrainerActor:
         config (rlhf_orch/trainer/options.py)."""
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
-        from rlhf_orch.trainer.deepspeed_trainer import DeepSpeedTrainer
         critic = critic_options(cfg, colocated=True)
         self.trainer = DeepSpeedTrainer(model_path, self.rank, self.world_size, device=self.device,
                                         **policy_options(cfg))
         self.critic, self._prepared = None, None
         if self.trainer.algo.needs_critic and critic is not None:   # critic.placement colocated: in this process
-            from rlhf_orch.trainer.critic import DeepSpeedCritic
             c = dict(critic)
             self.critic_warmup = c.pop("warmup_steps", 0)
             self.critic = DeepSpeedCritic(c.pop("model_path") or model_path, self.rank, self.world_size,
@@ -83,13 +85,11 @@ class TrainerActor:
         if ref_logprobs is not None:
             batch.ref_logprobs = ref_logprobs
         if self.trainer.algo.token_level:
-            from rlhf_orch.trainer.token_step import token_level_step
             return self._peak(token_level_step, self.trainer, self.critic, getattr(self, "critic_warmup", 0), batch,
                               num_tokens_global)
         return self._peak(self.trainer.train_step, batch, num_tokens_global)
 
     def _peak(self, fn, *args) -> dict:
-        from rlhf_orch.gpu_memory import with_peak
         return with_peak(self.trainer.device, "mem/trainer_peak_gb_max", fn, *args)
 
     # A critic group of its own (critic.placement: separate): the step in two calls, so the group trains on the
@@ -98,7 +98,6 @@ class TrainerActor:
     def advantages(self, batch: TrainBatch, ref_logprobs, values, frozen: bool):
         """(metrics, [B, T] returns) of this shard from the critic group's `values`; the batch, with its advantages,
         waits for `train_prepared`. `frozen`: the critic is still warming up."""
-        from rlhf_orch.trainer.token_step import advantages
         if ref_logprobs is not None:
             batch.ref_logprobs = ref_logprobs
         returns, m = advantages(self.trainer, batch, values)
@@ -106,7 +105,6 @@ class TrainerActor:
         return m, returns.cpu()
 
     def train_prepared(self, num_tokens_global: float) -> dict:
-        from rlhf_orch.trainer.token_step import policy_update
         if self._prepared is None:
             raise TrainerError(f"trainer rank {self.rank}: train_prepared without advantages first")
         (batch, frozen), self._prepared = self._prepared, None
@@ -153,7 +151,6 @@ class TrainerActor:
         """Bytes on this rank's GPU for the colocation plan: the device's total and used (every process), this
         rank's allocated/reserved and their peaks since the last train step began. `release`: give the allocator's
         free cached blocks back first (the trainer at rest). {} on CPU."""
-        from rlhf_orch.gpu_memory import stats
         s = stats(self.trainer.device, release)
         return {"device": self.device_id(), **s} if s else {}
 
@@ -169,7 +166,6 @@ class TrainerActor:
 
     def device_memory(self) -> dict[str, float]:
         """{device id: used GiB} of this rank's GPU ({} on CPU)."""
-        from rlhf_orch.gpu_memory import process_memory
         m = process_memory(self.trainer.device)
         return {self.device_id(): m["device_used_gb"]} if m else {}
 
