@@ -28,7 +28,7 @@ from actors.trainer import TrainerGroup
 from rlhf_orch.checkpoint import (checkpoint_dir, commit, find_good, read_rl_state, staging_dir, truncate_metrics,
                                   write_rl_state)
 from rlhf_orch.config import engine_names
-from rlhf_orch.config.checks import auto_running_requests
+from rlhf_orch.config.checks import pause_mode
 from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError
 from rlhf_orch.metrics import JsonlSink, MultiSink, TensorBoardSink, plot_run, plot_staleness, plot_timeline
 from rlhf_orch.metrics.timeline import Timeline
@@ -68,7 +68,7 @@ class Cluster(EngineRecovery):
         self.engine_restarts = 0
         self.timeline = Timeline()
         r = cfg.rollout
-        self.pause_mode = "keep" if r.partial_rollouts else r.running_requests
+        self.pause_mode = pause_mode(cfg, r)
         self.max_staleness = r.max_staleness   # of the steps being served (a benchmark changes it per segment)
         self.overlap = OverlappedSync(self)    # weight_sync.overlap (actors/overlap.py)
         self.colocation: Colocation | None = None
@@ -184,13 +184,11 @@ class Cluster(EngineRecovery):
             self._manager("restore_data", resumed["data"])
         rollout = None
         if overrides:   # the rollout section for these steps
-            r, rollout = self.cfg.rollout, self.cfg.rollout.model_copy(update=overrides)
-            stale = rollout.max_staleness
-            self.max_staleness = stale
-            chosen = overrides.get("running_requests", r.running_requests if "running_requests" in r.model_fields_set
-                                   else "auto")
-            self.pause_mode = ("keep" if rollout.partial_rollouts else   # as config/checks.py resolves "auto"
-                               auto_running_requests(self.cfg, stale) if chosen == "auto" else chosen)
+            r = self.cfg.rollout   # a running_requests the user did not set is "auto" again, for these steps
+            auto = {} if "running_requests" in r.model_fields_set else {"running_requests": "auto"}
+            rollout = r.model_copy(update={**auto, **overrides})
+            self.max_staleness = rollout.max_staleness
+            self.pause_mode = pause_mode(self.cfg, rollout)
         self._manager_plan = (last_step or self.cfg.experiment.steps, rollout)
         self._rget(self.rollouts.start.remote(first_step, self._manager_plan[0], version, pending, rollout),
                    "rollout manager to start")

@@ -24,6 +24,7 @@ import time
 import ray
 
 from actors.common import get
+from rlhf_orch.config.checks import overlap_allowed
 from rlhf_orch.errors import WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -37,9 +38,8 @@ class OverlappedSync:
 
     def wanted(self) -> bool:
         c = self.cluster
-        on = c.cfg.weight_sync.overlap
-        return (on is True or (on == "auto" and c.max_staleness >= 1)) and not (c.colocation.do_offload or
-                                                                                 c.colocation.do_sleep)
+        return overlap_allowed(c.cfg.weight_sync.overlap, c.max_staleness) and not (c.colocation.do_offload or
+                                                                                     c.colocation.do_sleep)
 
     def step(self, version: int) -> dict:
         """Finish the previous sync, then stage `version` and start its transfer. The step's `sync/` metrics are the

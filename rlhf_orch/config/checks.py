@@ -10,7 +10,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rlhf_orch.config.schema import ExperimentConfig
+    from rlhf_orch.config.schema import ExperimentConfig, RolloutSection
 
 logger = logging.getLogger(__name__)
 _warned: set[str] = set()   # warnings already logged by this process: a config validated again says nothing new
@@ -63,16 +63,30 @@ def engines_that_cannot_stop(cfg: ExperimentConfig) -> list[tuple[int, str, str]
     return out
 
 
+def overlap_allowed(overlap: bool | str, max_staleness: int) -> bool:
+    """weight_sync.overlap's own rule: true, or auto at max_staleness >= 1 (actors/overlap.py also needs no GPU
+    hand-over at run time)."""
+    return overlap is True or (overlap == "auto" and max_staleness >= 1)
+
+
 def sync_overlapped(cfg: ExperimentConfig, max_staleness: int) -> bool:
-    """Whether every weight sync will run while the trainer trains on (weight_sync.overlap, actors/overlap.py):
-    allowed (true, or auto at max_staleness >= 1) and no engine beside a trainer, whose GPU hand-over could turn it
-    off at run time (colocation offload or sleep)."""
-    on = cfg.weight_sync.overlap
-    return (on is True or (on == "auto" and max_staleness >= 1)) and all(e.placement == "dedicated" for e in cfg.engines)
+    """Whether every weight sync will run while the trainer trains on: allowed (`overlap_allowed`) and no engine
+    beside a trainer, whose GPU hand-over could turn it off at run time (colocation offload or sleep)."""
+    dedicated = all(e.placement == "dedicated" for e in cfg.engines)
+    return overlap_allowed(cfg.weight_sync.overlap, max_staleness) and dedicated
 
 
-def auto_running_requests(cfg: ExperimentConfig, max_staleness: int, warn: bool = False) -> str:
-    """What rollout.running_requests "auto" means for a run at `max_staleness` without partial rollouts (issue #27):
+def pause_mode(cfg: ExperimentConfig, rollout: RolloutSection) -> str:
+    """How a sync pauses the engines for the steps `rollout` serves (its running_requests may still be "auto"):
+    "keep" with partial rollouts, else running_requests, "auto" resolved by `auto_running_requests`."""
+    if rollout.partial_rollouts:
+        return "keep"
+    return auto_running_requests(cfg, rollout) if rollout.running_requests == "auto" else rollout.running_requests
+
+
+def auto_running_requests(cfg: ExperimentConfig, rollout: RolloutSection, warn: bool = False) -> str:
+    """What rollout.running_requests "auto" means for `rollout` (its max_staleness, deterministic) without partial
+    rollouts (issue #27):
 
     - wait: max_staleness 0 (nothing runs during a sync: the synchronous loop exactly); deterministic (which requests
       a sync would catch depends on timing); an overlapped sync (`sync_overlapped`: the trainer does not wait for the
@@ -82,7 +96,7 @@ def auto_running_requests(cfg: ExperimentConfig, max_staleness: int, warn: bool 
     - abort: otherwise (the sync is on the trainer's path and every engine can stop mid-request: kind hf, or
       vllm/sglang with streaming: true).
     """
-    if max_staleness < 1 or cfg.rollout.deterministic or sync_overlapped(cfg, max_staleness):
+    if rollout.max_staleness < 1 or rollout.deterministic or sync_overlapped(cfg, rollout.max_staleness):
         return "wait"
     stuck = engines_that_cannot_stop(cfg)
     if stuck and warn:
@@ -101,7 +115,7 @@ def resolve_rollout_defaults(cfg: ExperimentConfig) -> None:
     r = cfg.rollout
     if r.running_requests != "auto":
         return
-    r.running_requests = "wait" if r.partial_rollouts else auto_running_requests(cfg, r.max_staleness, warn=True)
+    r.running_requests = "wait" if r.partial_rollouts else auto_running_requests(cfg, r, warn=True)
     r.model_fields_set.discard("running_requests")
 
 

@@ -9,6 +9,7 @@ import pytest
 
 import actors.rollout as rollout_mod
 from actors.rollout_manager import group_seed
+from rlhf_orch.config.checks import pause_mode
 from rlhf_orch.config.loader import load_config
 from rlhf_orch.config.schema import HFEngineConfig
 from rlhf_orch.engines.base import Capabilities
@@ -45,6 +46,19 @@ def test_running_requests_auto_resolves_from_staleness_and_engines(overrides, wa
     given = any(o.startswith("rollout.running_requests=") for o in overrides)
     assert ("running_requests" in cfg.rollout.model_fields_set) == given   # a resolved default is not the user's
     assert f'"running_requests": "{want}"' in cfg.model_dump_json(indent=1).replace('":"', '": "')   # config.json
+
+
+def test_pause_mode_of_a_rollout_section_with_auto_left_to_resolve():
+    """The pause a sync makes (config/checks.pause_mode): what the config resolved, or for a benchmark's section of
+    other steps, "auto" resolved for that section's staleness; partial rollouts keep."""
+    cfg = load_config(TINY)                                     # a colocated engine: the sync may be on the path
+    assert pause_mode(cfg, cfg.rollout) == "wait"               # staleness 0, resolved at load
+    stale = cfg.rollout.model_copy(update={"running_requests": "auto", "max_staleness": 1})
+    assert pause_mode(cfg, stale) == "abort"
+    assert pause_mode(cfg, stale.model_copy(update={"partial_rollouts": True})) == "keep"
+    assert pause_mode(cfg, stale.model_copy(update={"running_requests": "wait"})) == "wait"   # explicit stays
+    dedicated = load_config(TINY, ["~engines.0"])               # overlapped: running requests finish
+    assert pause_mode(dedicated, stale) == "wait"
 
 
 def test_auto_waits_with_one_warning_naming_an_engine_that_cannot_stop(tmp_path, config_warnings):
