@@ -1,5 +1,7 @@
 """The receiving side and the reporting of bench/weight_sync.py: receiver processes, the raw receiver, the tables.
 
+`parse_receivers` reads a `--receivers` spec: how many engines receive, and the TP size of each.
+
 Every receiver (an engine, or a plain process that only takes raw floor broadcasts) runs `host_main` in its own
 process, which sees only its GPUs (CUDA_VISIBLE_DEVICES), and is driven over a pipe by `Host`: a message names a
 `HostState` method and its arguments, the answer is its return value or the traceback. `sync_weights` mirrors
@@ -15,6 +17,7 @@ import gc
 import json
 import multiprocessing
 import os
+import re
 import statistics
 import sys
 import time
@@ -24,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.shapes import MODELS
-from rlhf_orch.engines.base import streams_over
+from rlhf_orch.engines.base import Capabilities, streams_over
 from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync import WeightReceiver, checksums
 from rlhf_orch.weight_sync.collective import GROUP_NAME, BroadcastGroup
@@ -38,9 +41,22 @@ SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
             "VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
+def parse_receivers(spec: str) -> list[int]:
+    """TP size of each engine: '3' = three TP=1 engines, 'tp2' = one TP=2 engine, '2xtp1+tp2' = two TP=1 and a TP=2."""
+    if spec.isdigit() and int(spec) > 0:
+        return [1] * int(spec)
+    out = []
+    for part in spec.split("+"):
+        m = re.fullmatch(r"(?:([1-9]\d*)x)?tp([1-9]\d*)", part)
+        if m is None:
+            raise SystemExit(f"--receivers {spec!r}: use a count (3), tpN (tp2), KxtpN (2xtp1) or several joined by +")
+        out += [int(m.group(2))] * int(m.group(1) or 1)
+    return out
+
+
 class RawEngine:
     """Our receiver without an inference engine: loads into its own tensors, checksums what it holds."""
-    streams = True    # a WeightReceiver takes a whole sync in one call, as the hf engine's does
+    capabilities = Capabilities()   # a WeightReceiver of ours takes a whole sync in one call, as the hf engine's does
 
     def __init__(self, model: str, device: torch.device, slot: str):
         self.device, self.slot = device, slot

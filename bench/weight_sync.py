@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import re
 import statistics
 import sys
 import time
@@ -51,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.shapes import MODELS, SHAPES, model_dir  # noqa: E402
-from bench.sync_bench_lib import HOST, SAFE_ENV, TIMEOUT_S, Pool, write_reports  # noqa: E402
+from bench.sync_bench_lib import HOST, SAFE_ENV, TIMEOUT_S, Pool, parse_receivers, write_reports  # noqa: E402
 from rlhf_orch.types import dtype_from_name  # noqa: E402
 from rlhf_orch.weight_sync import WeightSender, digest, make_plan, plan_buckets  # noqa: E402
 from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port  # noqa: E402
@@ -60,19 +59,6 @@ from rlhf_orch.weight_sync.verify import mismatches  # noqa: E402
 
 PLACEMENTS = {"colocated": "colocated", "coloc": "colocated", "disaggregated": "disaggregated", "disagg": "disaggregated"}
 ENGINE_MODELS = {"raw": list(MODELS), "vllm": [*SHAPES, "qwen3-30b-a3b"], "sglang": [*SHAPES, "qwen3-30b-a3b"]}
-
-
-def parse_receivers(spec: str) -> list[int]:
-    """TP size of each engine: '3' = three TP=1 engines, 'tp2' = one TP=2 engine, '2xtp1+tp2' = two TP=1 and a TP=2."""
-    if spec.isdigit() and int(spec) > 0:
-        return [1] * int(spec)
-    out = []
-    for part in spec.split("+"):
-        m = re.fullmatch(r"(?:([1-9]\d*)x)?tp([1-9]\d*)", part)
-        if m is None:
-            raise SystemExit(f"--receivers {spec!r}: use a count (3), tpN (tp2), KxtpN (2xtp1) or several joined by +")
-        out += [int(m.group(2))] * int(m.group(1) or 1)
-    return out
 
 
 class Trainer:
