@@ -37,8 +37,8 @@ from ray.exceptions import RayActorError
 
 from actors.common import setup_process
 from actors.reward import RewardWorkers
-from rlhf_orch.config.schema import ExperimentConfig, RolloutSection
 from rlhf_orch.algorithms.base import make_algorithm
+from rlhf_orch.config.schema import ExperimentConfig, RolloutSection
 from rlhf_orch.errors import ACTOR_DIED, EngineError, RewardError, RLHFOrchError, RolloutError
 from rlhf_orch.metrics.timeline import Timeline
 from rlhf_orch.rewards import with_response_ids
@@ -51,8 +51,8 @@ logger = logging.getLogger(__name__)
 
 @ray.remote(num_cpus=0)
 class RolloutManager:
-    def __init__(self, engines: dict, rewarders: list, dataset, params: dict, cfg: ExperimentConfig, pad_id: int, t0: float,
-                 reward_workers: RewardWorkers | None = None):
+    def __init__(self, engines: dict, rewarders: list, dataset, params: dict, cfg: ExperimentConfig, pad_id: int,
+                 t0: float, reward_workers: RewardWorkers | None = None):
         """`cfg`: the run's typed config (its rollout, algorithm, fault_tolerance sections are read here);
         `params`: each engine's sampling parameters; `pad_id`: the tokenizer's."""
         setup_process("cpu")

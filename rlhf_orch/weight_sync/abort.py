@@ -10,9 +10,9 @@ broadcast completions, the device sync at the end), raises `SyncAborted` within 
 The flag is one int64 word in a small shared-memory file, so the actor that owns it (a rollout or trainer actor,
 answering the coordinator's `abort_sync` on another thread) and the process that runs the receiver (the actor
 itself, a vLLM worker it started, or a single-GPU SGLang engine's scheduler: engines/sglang_stream.py) see the same
-word. SGLang's own broadcast receive (tensor-parallel SGLang engines) reads no flag. It holds the highest aborted sync number: an abort that
-arrives before a side starts that sync still ends it at its first wait, and later syncs are not affected. Sync
-number 0 (benchmarks and tests that number no syncs) is never aborted.
+word. SGLang's own broadcast receive (tensor-parallel SGLang engines) reads no flag. The word holds the highest
+aborted sync number: an abort that arrives before a side starts that sync still ends it at its first wait, and later
+syncs are not affected. Sync number 0 (benchmarks and tests that number no syncs) is never aborted.
 This module knows nothing of Ray, engines or transports.
 """
 from __future__ import annotations
