@@ -24,6 +24,7 @@ import logging
 import os
 import pickle
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,10 +85,7 @@ def _connect(model, state: dict, cfg: dict) -> dict:
     abort = cfg.get("abort") or {}
     if abort.get("link") and state.get("abort_path") != abort["path"]:   # mapped once, through the actor's link
         state["abort"], state["abort_path"] = AbortFlag.attach(abort["link"]), abort["path"]
-        try:
-            os.unlink(abort["link"])
-        except FileNotFoundError:
-            pass
+        Path(abort["link"]).unlink(missing_ok=True)
     rec.abort_flag = state.get("abort")   # the coordinator's abort_sync ends this sync's waits at once (#33)
     box = rec.connect_stream(handles, float(cfg["timeout_s"]))
     state["stream"] = rec
@@ -130,8 +128,7 @@ class ColocatedStream:
         link = None
         if os.path.exists(path):
             link = f"{path}.sglang"
-            if os.path.exists(link):
-                os.unlink(link)
+            Path(link).unlink(missing_ok=True)
             os.link(path, link)
         self._abort = {"path": path, "link": link}
 
@@ -139,10 +136,7 @@ class ColocatedStream:
         """Remove a link no scheduler took (a broadcast engine never connects a stream)."""
         link = (self._abort or {}).get("link")
         if link:
-            try:
-                os.unlink(link)
-            except FileNotFoundError:
-                pass
+            Path(link).unlink(missing_ok=True)
 
     def connect_stream(self, handles, timeout_s: float) -> bytes:
         """Have the scheduler open the trainer rank's ring buffers; returns its mailbox's handle for the trainer."""
