@@ -116,9 +116,9 @@ def _eval_panel(ax, pairs) -> None:
     """eval/reward_mean, eval/pass@1 and eval/pass@k (k from eval/k) per evaluation; pass@k only for k > 1 (at
     k = 1 it is pass@1, which would be drawn twice under one name)."""
     _, ks = _series(pairs, "eval/k")
-    k = int(ks[-1]) if ks else 0
+    k = str(int(ks[-1])) if ks else "k"   # records without eval/k keep the generic name
     series = [("eval/reward_mean", "eval reward"), ("eval/pass@1", "pass@1")] + ([("eval/pass@k", f"pass@{k}")]
-                                                                                 if k != 1 else [])
+                                                                                 if k != "1" else [])
     for i, (key, label) in enumerate(series):
         fx, fy = _series(pairs, key)
         if fx:
