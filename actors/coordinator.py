@@ -275,7 +275,12 @@ class WeightSyncCoordinator:
         transfer_s = t_transfer - t_pause
         rank0 = sent[0]
         load_s = max([r[1]["load_s"] for r in received.values()] + [r["load_s"] for r in synced.values()], default=0.0)
+        parts: dict[str, float] = {}   # each part of the engines' pauses, the longest engine's (RolloutActor.pause)
+        for r in synced.values():
+            for k, v in r.get("pause_parts", {}).items():
+                parts[f"sync/pause_{k}"] = max(parts.get(f"sync/pause_{k}", 0.0), v)
         return {
+            **parts,
             "sync/version": version,
             "sync/bytes": total_bytes,
             # Engines that take the sync in one call pause (and record the version, and resume) inside it.

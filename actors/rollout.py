@@ -40,6 +40,7 @@ class RolloutActor:
         self.verify = True
         self._gate = threading.Condition()
         self._syncing = False
+        self.last_pause: dict[str, float] = {}   # the last pause's parts, seconds (see pause)
         self._active = 0   # generate calls past the sync gate (inside the engine, or queued for their turn: "wait" waits)
         self._inside = 0   # generate calls inside the engine
         self._next_ticket = 0    # rollout.deterministic: the dispatch number of the next call to serve
@@ -198,7 +199,8 @@ class RolloutActor:
         t2 = time.perf_counter()
         self.finish_sync(version)
         self.resume()
-        return {"sums": sums, "pause_s": t1 - t0, "receive_s": t2 - t1, "load_s": float(m.get("load_s", 0.0)),
+        return {"sums": sums, "pause_s": t1 - t0, "pause_parts": dict(self.last_pause), "receive_s": t2 - t1,
+                "load_s": float(m.get("load_s", 0.0)),
                 "on_device": float(m.get("on_device", 0.0)),   # the GPU hand-over (weight_sync/mailbox.py)
                 "finish_s": time.perf_counter() - t2, "total_s": time.perf_counter() - t0}
 
@@ -238,8 +240,13 @@ class RolloutActor:
             if mode == "wait":
                 while self._active:
                     self._gate.wait()
+        t1 = time.perf_counter()
         self.engine.pause(mode)
-        return time.perf_counter() - t0
+        t2 = time.perf_counter()
+        # in-run diagnosis of a long pause (issue #27): running calls waited out, then the engine's own parts
+        self.last_pause = {"gate_s": t1 - t0, "engine_s": t2 - t1,
+                           **{k: float(v) for k, v in self.engine.last_pause.items()}}
+        return t2 - t0
 
     def resume(self) -> None:
         self.engine.resume()

@@ -261,7 +261,9 @@ def main(argv=None) -> int:
                     print(f"seg {seg} {mode:4s} step {s}: {m['perf/step_s']:.2f}s (wait {m['perf/generate_s']:.2f} "
                           f"train {m['perf/train_s']:.2f} sync {m['perf/sync_s']:.3f}, engines paused "
                           f"{m.get('sync/pause_s', float('nan')):.3f} of it) tokens {m['rollout/tokens']:.0f} "
-                          f"lag1 {m.get('staleness/lag_1', 0):.0f} spanning {m['staleness/spanning_frac']:.2f}", flush=True)
+                          f"lag1 {m.get('staleness/lag_1', 0):.0f} spanning {m['staleness/spanning_frac']:.2f}"
+                          + "".join(f" {k[11:]} {v:.3f}" for k, v in sorted(m.items()) if k.startswith("sync/pause_")
+                                    and k != "sync/pause_s"), flush=True)
                 step += n
                 per_mode[mode].append(analyze(cluster, mode, recs[args.warmup:], windows[args.warmup:]))
                 print(json.dumps(per_mode[mode][-1]), flush=True)

@@ -8,11 +8,13 @@ For each count of running requests (each one prompt, n=1, ignore_eos, long respo
   same running set, one pause every ~0.5 s of decoding;
 - abort: running requests end at once with finish_reason "abort" (the caller re-queues them); a fresh set per
   measurement.
-vLLM is measured both ways, interleaved round by round (which goes first alternates): "new", the pause that returns
-once the scheduler stopped (engines/vllm_async.py), and "old", which also drains every output already produced to
-our streams before returning (the pause before issue #27). Each vLLM pause is split into: loop lag (until our
-coroutine runs on the runner's event loop), the engine's pause (`pause_generation`), the drain, and the outputs
-still queued from the engine when the pause returned. `resume_s` includes the drain the new pause defers.
+vLLM is measured with and without vLLM's incremental detokenization (interleaved: each running count starts one
+set per variant, which goes first alternates): "detok" (vLLM detokenizes every token in its output processing, on
+the runner's event loop, as before this round) and "end" (`detokenize=False`, the text decoded once per sample at
+the end: what StreamingVLLMEngine asks for now). The pause is the runner's own (`AsyncVLLMRunner.pause`: the
+engine core's pause, no drain; `resume()` drains) and is split into: loop lag (until our coroutine runs on the
+runner's event loop), the engine core's pause, and the outputs still queued from the engine when it returned.
+`resume_s` includes the drain.
 Prints a markdown table (median and max) and writes it to --out.
 """
 from __future__ import annotations
@@ -51,32 +53,24 @@ class Vllm:
                                       max_num_seqs=max(max(args.running), 1))
         self.runner.weight_version = 0
 
-    def start(self, n: int, args):
+    def start(self, n: int, args, variant: str):
         from vllm import SamplingParams
         sp = SamplingParams(n=1, temperature=1.0, max_tokens=args.max_tokens, logprobs=0, ignore_eos=True,
-                            detokenize=True)
+                            detokenize=variant == "detok")
         out: dict = {}
         prompts = _prompts(n, self.vocab, args.seed + n)
         t = threading.Thread(target=lambda: out.update(rows=self.runner.generate(prompts, sp)), daemon=True)
         t.start()
         return t, out
 
-    def pause(self, mode: str, variant: str) -> dict:
+    def pause(self, mode: str) -> dict:
         r = self.runner
-
-        async def timed():
-            ts = time.perf_counter()
-            await r._llm.pause_generation(mode=mode, clear_cache=False)
-            t1 = time.perf_counter()
-            if variant == "old":
-                await r._drain()
-            q = getattr(r._llm.engine_core, "outputs_queue", None)
-            return ts, t1, time.perf_counter(), (q.qsize() if q is not None else -1)
-
         t0 = time.perf_counter()
-        ts, t1, t2, queued = r._call(timed())
-        m = {"pause_s": time.perf_counter() - t0, "loop_lag_s": ts - t0, "engine_s": t1 - ts, "drain_s": t2 - t1,
-             "queued": queued}
+        r.pause(mode)
+        m = {"pause_s": time.perf_counter() - t0, "loop_lag_s": r.last_pause["loop_lag_s"],
+             "engine_s": r.last_pause["core_s"]}
+        q = getattr(r._llm.engine_core, "outputs_queue", None)
+        m["queued"] = q.qsize() if q is not None else -1
         t3 = time.perf_counter()
         r.resume()
         m["resume_s"] = time.perf_counter() - t3
@@ -95,7 +89,7 @@ class Hf:
                                max_batch_size=max(max(args.running), 1))
         self.vocab = 40
 
-    def start(self, n: int, args):
+    def start(self, n: int, args, variant: str):
         from rlhf_orch.engines.base import SamplingParams
         out: dict = {}
         sp = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
@@ -104,7 +98,7 @@ class Hf:
         t.start()
         return t, out
 
-    def pause(self, mode: str, variant: str) -> dict:
+    def pause(self, mode: str) -> dict:
         t0 = time.perf_counter()
         self.engine.pause(mode)
         m = {"pause_s": time.perf_counter() - t0}
@@ -119,22 +113,22 @@ class Hf:
 
 def measure(eng, args) -> list[dict]:
     rows = []
-    variants = ["new", "old"] if args.engine == "vllm" else ["new"]
-    for n in args.running:
-        job = eng.start(n, args) if n else None
-        time.sleep(args.warm_s if n else 0.1)
-        for k in range(args.rounds):               # keep: the same running set, variants alternating first
-            for v in (variants if k % 2 == 0 else variants[::-1]):
-                rows.append({"running": n, "mode": "keep", "variant": v, **eng.pause("keep", v)})
+    variants = ["end", "detok"] if args.engine == "vllm" else ["-"]
+    for j, n in enumerate(args.running):
+        for v in (variants if j % 2 == 0 else variants[::-1]):   # keep: one running set per variant
+            job = eng.start(n, args, v) if n else None
+            time.sleep(args.warm_s if n else 0.1)
+            for _ in range(args.rounds):
+                rows.append({"running": n, "mode": "keep", "variant": v, **eng.pause("keep")})
                 time.sleep(args.gap_s)
-        if job is not None:
-            eng.pause("abort", "new")              # end the keep set
-            job[0].join(600)
+            if job is not None:
+                eng.pause("abort")                  # end the keep set
+                job[0].join(600)
         for k in range(args.abort_rounds):         # abort: a fresh running set each time
             for v in (variants if k % 2 == 0 else variants[::-1]):
-                job = eng.start(n, args) if n else None
+                job = eng.start(n, args, v) if n else None
                 time.sleep(args.warm_s if n else 0.1)
-                m = eng.pause("abort", v)
+                m = eng.pause("abort")
                 if job is not None:
                     job[0].join(600)
                     m["aborted"] = sum(r[5] == "abort" if isinstance(r, tuple) else r.finish_reason == "abort"
@@ -145,8 +139,8 @@ def measure(eng, args) -> list[dict]:
 
 
 def table(rows: list[dict], args) -> str:
-    keys = ["pause_s", "loop_lag_s", "engine_s", "drain_s", "resume_s"] if args.engine == "vllm" else ["pause_s", "resume_s"]
-    lines = ["| running | mode | pause | n | " + " | ".join(f"{k} median (max)" for k in keys) +
+    keys = ["pause_s", "loop_lag_s", "engine_s", "resume_s"] if args.engine == "vllm" else ["pause_s", "resume_s"]
+    lines = ["| running | mode | text | n | " + " | ".join(f"{k} median (max)" for k in keys) +
              (" | queued at return (median) |" if args.engine == "vllm" else " |"),
              "|" + "---|" * (len(keys) + 4 + (args.engine == "vllm"))]
     groups: dict = {}

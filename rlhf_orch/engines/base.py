@@ -120,6 +120,9 @@ class EngineLifecycle:
 
     name: str
     capabilities = Capabilities()   # each engine kind declares its own
+    # Where the last pause() spent its time, seconds by part (engines that can tell: the streaming vLLM engine's
+    # loop lag and engine-core pause); the coordinator reports them per sync as sync/pause_<part>.
+    last_pause: dict = {}
 
     def _init_lifecycle(self) -> None:
         self._paused = False

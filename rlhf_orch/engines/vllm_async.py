@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -72,6 +73,7 @@ class AsyncVLLMRunner:
         engine_kwargs.setdefault("disable_log_stats", True)   # LLM's default (entrypoints/llm.py:225)
         self.weight_version = -1          # default version_fn reads this; set it before resume()
         self.drain_timeout_s = drain_timeout_s
+        self.last_pause: dict[str, float] = {}   # where the last pause() spent its time (see pause)
         self._calls: set[_Call] = set()   # touched on the loop thread only
         self._asleep: set[str] = set()
         self._llm: Any = None
@@ -130,7 +132,20 @@ class AsyncVLLMRunner:
         if not prompt_ids:
             return []
         fn = version_fn if version_fn is not None else (lambda: self.weight_version)
-        return self._call(self._generate([[int(t) for t in p] for p in prompt_ids], sp, fn))
+        rows = self._call(self._generate([[int(t) for t in p] for p in prompt_ids], sp, fn))
+        return self._decoded(rows, sp)
+
+    def _decoded(self, rows: list[Row], sp) -> list[Row]:
+        """Text for the samples whose params say `detokenize=False`, decoded once here, on the caller's thread. vLLM
+        would detokenize every token incrementally in its output processing, on the loop that also runs every stream
+        (the front end's lag behind the GPU at hundreds of requests, issue #27); with no stop strings the whole
+        text decoded at the end is the same string (the test in tests/gpu/test_vllm_streaming.py compares them)."""
+        each = list(sp) if isinstance(sp, (list, tuple)) else [sp] * (1 + max((r[0] for r in rows), default=0))
+        if all(p.detokenize for p in each):
+            return rows
+        tok = self._llm.tokenizer
+        return [r if each[r[0]].detokenize else
+                (*r[:6], tok.decode(r[2], skip_special_tokens=each[r[0]].skip_special_tokens)) for r in rows]
 
     async def _generate(self, prompts: list[list[int]], sp, version_fn) -> list[Row]:
         each = list(sp) if isinstance(sp, (list, tuple)) else [sp] * len(prompts)
@@ -213,11 +228,25 @@ class AsyncVLLMRunner:
         draining them (`_switch_versions`), so that drain overlaps the weight load instead of delaying the pause
         (issue #27; bench/pause_latency.py measures both). `drain=True` also waits for them here (the old pause).
         clear_cache=True resets caches when the pause completes; in "keep" mode that preempts every kept running
-        request (scheduler.py:2336-2360), which recomputes its KV on resume."""
+        request (scheduler.py:2336-2360), which recomputes its KV on resume.
+        `last_pause` holds where the time went: until our coroutine ran on the loop (`loop_lag_s`), the engine
+        core's pause (`core_s`) and the drain (`drain_s`)."""
         if mode not in PAUSE_MODES:
             raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        paused = self._llm.pause_generation(mode=mode, clear_cache=bool(clear_cache))
-        self._call(self._then_drain(paused) if drain else paused)
+        self._call(self._pause(mode, bool(clear_cache), drain, time.perf_counter()))
+
+    async def _pause(self, mode: str, clear_cache: bool, drain: bool, t_call: float) -> None:
+        ts = time.perf_counter()
+        if clear_cache:
+            await self._llm.pause_generation(mode=mode, clear_cache=True)
+        else:
+            # AsyncLLM.pause_generation is this call plus a 20 ms sleep "not required for correctness"
+            # (async_llm.py:786-793); our resume() drains the outputs that sleep was for.
+            await self._llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=False)
+        t1 = time.perf_counter()
+        if drain:
+            await self._drain()
+        self.last_pause = {"loop_lag_s": ts - t_call, "core_s": t1 - ts, "drain_s": time.perf_counter() - t1}
 
     async def _then_drain(self, coro, asleep: bool = False) -> None:
         await coro
@@ -308,7 +337,9 @@ class StreamingVLLMEngine(VLLMEngine):
             return []
         each = per_prompt_params(params, len(prompts))
         made = {p: VSamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_new_tokens,
-                                   logprobs=0, seed=p.seed, detokenize=True, ignore_eos=p.ignore_eos) for p in set(each)}
+                                   logprobs=0, seed=p.seed, ignore_eos=p.ignore_eos,
+                                   detokenize=False)   # decoded once per sample (AsyncVLLMRunner._decoded)
+                for p in set(each)}
         prompt_ids = [[int(t) for t in p] for p in prompts]
         try:
             rows = self.llm.generate(prompt_ids, [made[p] for p in each], version_fn=lambda: self.weight_version)
@@ -331,6 +362,7 @@ class StreamingVLLMEngine(VLLMEngine):
         if mode not in PAUSE_MODES:
             raise EngineError(f"engine {self.name}: unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
         self.llm.pause(mode)          # returns once vLLM's scheduler is paused (resume() drains its last outputs)
+        self.last_pause = dict(self.llm.last_pause)
         self._paused = True
 
     def resume(self) -> None:

@@ -58,3 +58,21 @@ def test_streaming_vllm_keeps_requests_through_a_sync(engine, dirs):
     engine.resume()
     run_inflight_contract(engine, dirs[1], dirs[0], build_tokenizer(), max_new_tokens=600, atol=0.05,
                           dtype=torch.bfloat16, start_delay_s=0.3, kv_recomputed=True)
+
+
+def test_streaming_vllm_text_decoded_at_the_end_equals_vllms(engine):
+    """The engine asks vLLM for no incremental detokenization (the front end's per-token work, issue #27) and decodes
+    each sample once at the end: the same text vLLM's own detokenizer writes for the same tokens."""
+    from vllm import SamplingParams as VSamplingParams
+    from rlhf_orch.engines.base import SamplingParams
+    from rlhf_orch.models import build_tokenizer
+    tok = build_tokenizer()
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in ("1+1=", "12+30=", "7+8=")]
+    engine.resume()
+    theirs = engine.llm.generate(prompts, VSamplingParams(n=4, temperature=1.0, max_tokens=48, logprobs=0, seed=3,
+                                                          detokenize=True))
+    assert sum(bool(r[6]) for r in theirs) > 0, "vLLM wrote no text at all: nothing compared"
+    for _i, _k, toks, _lps, _v, _reason, text in theirs:
+        assert engine.llm._llm.tokenizer.decode(toks, skip_special_tokens=True) == text
+    ours = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=48, seed=3))
+    assert len(ours) == 12 and all(s.text == tok.decode(s.response_ids, skip_special_tokens=True) for s in ours)
