@@ -68,7 +68,7 @@ class Vllm:
         t0 = time.perf_counter()
         r.pause(mode)
         m = {"pause_s": time.perf_counter() - t0, "loop_lag_s": r.last_pause["loop_lag_s"],
-             "engine_s": r.last_pause["core_s"]}
+             "engine_s": r.last_pause["core_s"], "return_s": r.last_pause["return_s"]}
         q = getattr(r._llm.engine_core, "outputs_queue", None)
         m["queued"] = q.qsize() if q is not None else -1
         t3 = time.perf_counter()
@@ -139,7 +139,7 @@ def measure(eng, args) -> list[dict]:
 
 
 def table(rows: list[dict], args) -> str:
-    keys = ["pause_s", "loop_lag_s", "engine_s", "resume_s"] if args.engine == "vllm" else ["pause_s", "resume_s"]
+    keys = ["pause_s", "loop_lag_s", "engine_s", "return_s", "resume_s"] if args.engine == "vllm" else ["pause_s", "resume_s"]
     lines = ["| running | mode | text | n | " + " | ".join(f"{k} median (max)" for k in keys) +
              (" | queued at return (median) |" if args.engine == "vllm" else " |"),
              "|" + "---|" * (len(keys) + 4 + (args.engine == "vllm"))]

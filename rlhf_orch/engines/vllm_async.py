@@ -230,10 +230,12 @@ class AsyncVLLMRunner:
         clear_cache=True resets caches when the pause completes; in "keep" mode that preempts every kept running
         request (scheduler.py:2336-2360), which recomputes its KV on resume.
         `last_pause` holds where the time went: until our coroutine ran on the loop (`loop_lag_s`), the engine
-        core's pause (`core_s`) and the drain (`drain_s`)."""
+        core's pause (`core_s`), the drain (`drain_s`) and the way back to this thread (`return_s`)."""
         if mode not in PAUSE_MODES:
             raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         self._call(self._pause(mode, bool(clear_cache), drain, time.perf_counter()))
+        # from the coroutine's end until this thread runs again: the loop's queue of ready callbacks, then the GIL
+        self.last_pause["return_s"] = time.perf_counter() - self.last_pause.pop("t_end")
 
     async def _pause(self, mode: str, clear_cache: bool, drain: bool, t_call: float) -> None:
         ts = time.perf_counter()
@@ -246,7 +248,8 @@ class AsyncVLLMRunner:
         t1 = time.perf_counter()
         if drain:
             await self._drain()
-        self.last_pause = {"loop_lag_s": ts - t_call, "core_s": t1 - ts, "drain_s": time.perf_counter() - t1}
+        t_end = time.perf_counter()
+        self.last_pause = {"loop_lag_s": ts - t_call, "core_s": t1 - ts, "drain_s": t_end - t1, "t_end": t_end}
 
     async def _then_drain(self, coro, asleep: bool = False) -> None:
         await coro
