@@ -6,6 +6,8 @@
 #   bash bench/device/round5.sh pause   # GPU 0: bench/pause_latency.py (vLLM detokenizing per token vs once at the
 #                                       # end); GPU 1 at the same time: the streaming-vLLM GPU tests; then both GPUs:
 #                                       # item 3, 2 ZeRO-3 ranks packed with per-rank train seconds (rank imbalance)
+#   bash bench/device/round5.sh realistic  # #27: issue #12's 1B step, packed, disaggregated (trainer GPU 0, streaming
+#                                       # vLLM GPU 1): max_staleness 0, 1, 1 + partial rollouts; 8 steps each
 # Files in $OUT (at most 8 come back): gpus.txt, one log per job, the tables, the async run's timeline and metrics.
 set -uo pipefail
 . bench/device/env.sh
@@ -45,5 +47,38 @@ for line in open("/tmp/runs/zero3_2r/metrics.jsonl"):
                                            "train/rank_flops_imbalance", "train/rank_imbalance") if k in m})
 PY
     ;;
-  *) echo "usage: $0 async|pause"; exit 2 ;;
+  realistic)
+    W=("${B1[@]}" data.prompts_per_step=64 data.max_operand=9 algorithm.kl_coef=0 trainer.lr=1e-6
+       trainer.micro_batch_size=16 trainer.gradient_checkpointing=true trainer.packing=true
+       trainer.max_tokens_per_micro_batch=16384 engines.0.sampling.max_new_tokens=1024 engines.0.enforce_eager=false
+       engines.0.streaming=true engines.0.gpu_memory_utilization=0.5 engines.0.kv_cache_memory_gb=20
+       experiment.overwrite=true experiment.steps=8)
+    for run in "r_k0 rollout.max_staleness=0" "r_k1 rollout.max_staleness=1" \
+               "r_k1p rollout.max_staleness=1 rollout.partial_rollouts=true"; do
+      set -- $run
+      CUDA_VISIBLE_DEVICES=0,1 timeout -k 20 "${REAL_TIMEOUT:-170}" python3 launch.py --config configs/vllm_disagg_2gpu.yaml \
+        experiment.output_dir=/tmp/runs experiment.name="$1" "${W[@]}" "${@:2}" > "$OUT/$1.log" 2>&1
+      echo "== $1 exit $?"
+    done
+    python3 - <<'PY'
+import json, statistics
+for name in ("r_k0", "r_k1", "r_k1p"):
+    try:
+        ms = [json.loads(l) for l in open(f"/tmp/runs/{name}/metrics.jsonl")]
+    except OSError:
+        print(name, "no metrics"); continue
+    ms = [m for m in ms if "perf/step_s" in m]
+    later = ms[2:]   # steps 3-8: compile, warm-up and the async pipeline fill excluded
+    med = lambda k: statistics.median(m.get(k, float("nan")) for m in later) if later else float("nan")
+    print(f"{name}: steps {len(ms)}, step_s per step {[round(m['perf/step_s'], 2) for m in ms]}, median steps 3-8 "
+          f"{med('perf/step_s'):.2f} s (generate wait {med('perf/generate_s'):.2f}, train {med('perf/train_s'):.2f}, "
+          f"sync {med('perf/sync_s'):.3f}), wall steps 3-8 {sum(m['perf/step_s'] for m in later):.1f} s")
+    try:
+        s = json.load(open(f"/tmp/runs/{name}/summary.json"))
+        print("   summary:", s.get("status"), {k: v for k, v in s.items() if "verified" in k or "ledger" in k})
+    except OSError:
+        print("   no summary.json")
+PY
+    ;;
+  *) echo "usage: $0 async|pause|realistic"; exit 2 ;;
 esac
