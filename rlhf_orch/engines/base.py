@@ -88,6 +88,7 @@ def per_prompt_params(params: "SamplingParams | Sequence[SamplingParams]", count
 class RolloutEngine(Protocol):
     name: str
     weight_version: int
+    last_pause: dict   # where the last pause() spent its time, seconds by part ({} where it cannot tell)
 
     def device_ids(self) -> list[str]:
         """One id per worker: GPU UUID on CUDA, placement slot on CPU (see weight_sync/plan.py)."""

@@ -447,6 +447,8 @@ class StreamingSGLangEngine(SGLangEngine):
         if mode not in PAUSE_MODES:
             raise EngineError(f"engine {self.name}: unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
         self.runner.pause(mode)
+        # its parts in seconds (census, drain); the runner's counts ("kept") and "exact" flag stay in its own record
+        self.last_pause = {k: float(v) for k, v in self.runner.last_pause.items() if k.endswith("_s") and k != "pause_s"}
         self._paused = True
 
     def resume(self) -> None:

@@ -111,6 +111,7 @@ class FakeEngine:
     """Records the order of calls; each takes `secs`; pause/resume/finish_sync as an engine's lifecycle."""
     capabilities = Capabilities()
     progress_steps = 0
+    last_pause: dict = {}
 
     def __init__(self, name, device, device_id, **kw):
         self.name, self.weight_version, self.secs, self.order = name, 0, 0.05, []
