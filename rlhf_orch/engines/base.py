@@ -88,7 +88,7 @@ def per_prompt_params(params: "SamplingParams | Sequence[SamplingParams]", count
 class RolloutEngine(Protocol):
     name: str
     weight_version: int
-    last_pause: dict   # where the last pause() spent its time, seconds by part ({} where it cannot tell)
+    last_pause: dict   # where the last pause() spent its time, seconds by part ({} where it cannot tell), and counts
 
     def device_ids(self) -> list[str]:
         """One id per worker: GPU UUID on CUDA, placement slot on CPU (see weight_sync/plan.py)."""
@@ -122,7 +122,8 @@ class EngineLifecycle:
     name: str
     capabilities = Capabilities()   # each engine kind declares its own
     # Where the last pause() spent its time, seconds by part (engines that can tell: the streaming vLLM engine's
-    # loop lag and engine-core pause); the coordinator reports them per sync as sync/pause_<part>.
+    # loop lag and engine-core pause, and the requests it stopped); the coordinator reports them per sync as
+    # sync/pause_<part>.
     last_pause: dict = {}
 
     def _init_lifecycle(self) -> None:

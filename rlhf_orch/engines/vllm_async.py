@@ -75,6 +75,7 @@ class AsyncVLLMRunner:
         self.drain_timeout_s = drain_timeout_s
         self.last_pause: dict[str, float] = {}   # where the last pause() spent its time (see pause)
         self._calls: set[_Call] = set()   # touched on the loop thread only
+        self._open = 0                      # requests whose stream has not ended (loop thread only)
         self._asleep: set[str] = set()
         self._llm: Any = None
         self._loop = asyncio.new_event_loop()
@@ -188,29 +189,12 @@ class AsyncVLLMRunner:
         sp = sp.clone()
         sp.output_kind = RequestOutputKind.DELTA
         comps: dict[int, _Completion] = {}
-        async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt), sp, rid):
-            for c in out.outputs:
-                st = comps.get(c.index)
-                if st is None:
-                    st = comps[c.index] = _Completion()
-                new = c.token_ids
-                k = len(new)
-                if k:
-                    version = call.version
-                    st.tokens.extend(int(t) for t in new)
-                    st.versions.extend([version] * k)
-                    lp = c.logprobs
-                    if lp is not None and len(lp) >= k and not st.logprobs_missing:
-                        # one {token_id: Logprob} per position; logprobs=0 holds the sampled one. zip stops at
-                        # k: drops the all-logprobs tail of a merged final empty delta.
-                        st.logprobs.extend(float(pos[int(t)].logprob) for t, pos in zip(new, lp))
-                    else:
-                        st.logprobs_missing = True   # not requested (None), or short: never misalign
-                # k == 0: an abort/error final; its logprobs (the whole list so far) are ignored.
-                if c.text:
-                    st.text.append(c.text)
-                if c.finish_reason is not None:
-                    st.finish_reason = c.finish_reason
+        self._open += 1
+        try:
+            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt), sp, rid):
+                self._take(out, comps, call)
+        finally:
+            self._open -= 1
         if len(comps) != sp.n:
             raise EngineError(f"request {rid}: got {len(comps)} completions, expected n={sp.n}")
         rows: list[Row] = []
@@ -219,6 +203,32 @@ class AsyncVLLMRunner:
             lps = [] if st.logprobs_missing else st.logprobs
             rows.append((i, idx, st.tokens, lps, st.versions, st.finish_reason, "".join(st.text)))
         return rows
+
+    @staticmethod
+    def _take(out, comps: dict, call: _Call) -> None:
+        """Fold one DELTA RequestOutput into its request's completions (see the notes in `_one`)."""
+        for c in out.outputs:
+            st = comps.get(c.index)
+            if st is None:
+                st = comps[c.index] = _Completion()
+            new = c.token_ids
+            k = len(new)
+            if k:
+                version = call.version
+                st.tokens.extend(int(t) for t in new)
+                st.versions.extend([version] * k)
+                lp = c.logprobs
+                if lp is not None and len(lp) >= k and not st.logprobs_missing:
+                    # one {token_id: Logprob} per position; logprobs=0 holds the sampled one. zip stops at
+                    # k: drops the all-logprobs tail of a merged final empty delta.
+                    st.logprobs.extend(float(pos[int(t)].logprob) for t, pos in zip(new, lp))
+                else:
+                    st.logprobs_missing = True   # not requested (None), or short: never misalign
+            # k == 0: an abort/error final; its logprobs (the whole list so far) are ignored.
+            if c.text:
+                st.text.append(c.text)
+            if c.finish_reason is not None:
+                st.finish_reason = c.finish_reason
 
     def pause(self, mode: str = "keep", clear_cache: bool = False, drain: bool = False) -> None:
         """Returns once the scheduler is paused ("keep"/"abort": after the engine step in progress, milliseconds).
@@ -230,7 +240,9 @@ class AsyncVLLMRunner:
         clear_cache=True resets caches when the pause completes; in "keep" mode that preempts every kept running
         request (scheduler.py:2336-2360), which recomputes its KV on resume.
         `last_pause` holds where the time went: until our coroutine ran on the loop (`loop_lag_s`), the engine
-        core's pause (`core_s`), the drain (`drain_s`) and the way back to this thread (`return_s`)."""
+        core's pause (`core_s`), the drain (`drain_s`) and the way back to this thread (`return_s`), and how many
+        requests were open then (`open_requests`: their streams had not ended, though some may have finished in the
+        engine core)."""
         if mode not in PAUSE_MODES:
             raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         self._call(self._pause(mode, bool(clear_cache), drain, time.perf_counter()))
@@ -239,6 +251,7 @@ class AsyncVLLMRunner:
 
     async def _pause(self, mode: str, clear_cache: bool, drain: bool, t_call: float) -> None:
         ts = time.perf_counter()
+        open_requests = self._open   # streams not ended yet: the requests the pause stops (or, in "wait", waits for)
         if clear_cache:
             await self._llm.pause_generation(mode=mode, clear_cache=True)
         else:
@@ -249,7 +262,8 @@ class AsyncVLLMRunner:
         if drain:
             await self._drain()
         t_end = time.perf_counter()
-        self.last_pause = {"loop_lag_s": ts - t_call, "core_s": t1 - ts, "drain_s": t_end - t1, "t_end": t_end}
+        self.last_pause = {"loop_lag_s": ts - t_call, "core_s": t1 - ts, "drain_s": t_end - t1, "t_end": t_end,
+                           "open_requests": float(open_requests)}
 
     async def _then_drain(self, coro, asleep: bool = False) -> None:
         await coro

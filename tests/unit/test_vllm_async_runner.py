@@ -35,16 +35,26 @@ class RequestOutputKind(enum.Enum):
 
 
 class FakeSamplingParams:
-    def __init__(self, n: int = 1, max_tokens: int = 16, logprobs: int | None = 0, **_: Any):
+    def __init__(self, n: int = 1, max_tokens: int = 16, logprobs: int | None = 0, detokenize: bool = True,
+                 skip_special_tokens: bool = True, **_: Any):
         self.n = n
         self.max_tokens = max_tokens
         self.logprobs = logprobs
+        self.detokenize = detokenize
+        self.skip_special_tokens = skip_special_tokens
         self.output_kind = RequestOutputKind.CUMULATIVE
 
     def clone(self) -> "FakeSamplingParams":
-        c = FakeSamplingParams(self.n, self.max_tokens, self.logprobs)
+        c = FakeSamplingParams(self.n, self.max_tokens, self.logprobs, self.detokenize, self.skip_special_tokens)
         c.output_kind = self.output_kind
         return c
+
+
+class FakeTokenizer:
+    """What the runner decodes with when vLLM did not detokenize: the text the fake's detokenizer writes."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(txt(int(t)) for t in ids)
 
 
 def TokensPrompt(*, prompt_token_ids):   # a TypedDict in vLLM
@@ -135,7 +145,9 @@ class FakeAsyncLLM:
         self.step_s = step_s
         self.merge_abort = merge_abort       # abort final merged behind one pending token delta
         self.burst_every = burst_every       # child 0 gets 2 tokens in one output every k steps (merged deltas)
-        self.engine_core = types.SimpleNamespace(outputs_queue=asyncio.Queue())
+        self.engine_core = types.SimpleNamespace(outputs_queue=asyncio.Queue(),
+                                                 pause_scheduler_async=self._pause_scheduler)
+        self.tokenizer = FakeTokenizer()
         self.paused: str | None = None
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -192,8 +204,8 @@ class FakeAsyncLLM:
             self.tokens_emitted += k
             c.done = c.n_tokens >= req.sp.max_tokens
             delta = c.logprobs[-k:] if req.sp.logprobs is not None else None
-            outs.append(CompletionOutput(c.idx, "".join(txt(t) for t in ids), ids, None, delta,
-                                         "length" if c.done else None))
+            text = "".join(txt(t) for t in ids) if req.sp.detokenize else ""
+            outs.append(CompletionOutput(c.idx, text, ids, None, delta, "length" if c.done else None))
         if not outs:
             return None
         return RequestOutput(req.rid, outs, all(c.done for c in req.children))
@@ -213,7 +225,7 @@ class FakeAsyncLLM:
                 c.logprobs.append({t: Logprob(lp(req.prompt, c.idx, c.n_tokens))})
                 self.tokens_emitted += 1
                 ids, delta = [t], c.logprobs[-1:]
-            text = "".join(txt(t) for t in ids)
+            text = "".join(txt(t) for t in ids) if req.sp.detokenize else ""
             lps = (delta + c.logprobs[-0:]) if req.sp.logprobs is not None else None
             outs.append(CompletionOutput(c.idx, text, ids, None, lps, "abort"))
         if req.inflight:
@@ -223,6 +235,10 @@ class FakeAsyncLLM:
 
     # -- pause / resume
     async def pause_generation(self, *, mode: str = "abort", wait_for_inflight_requests=None, clear_cache=True):
+        await self._pause_scheduler(mode=mode, clear_cache=clear_cache)
+        await asyncio.sleep(0.02)   # as AsyncLLM.pause_generation (async_llm.py:793)
+
+    async def _pause_scheduler(self, *, mode: str, clear_cache: bool):   # engine_core.pause_scheduler_async
         self.pause_calls.append((mode, clear_cache))
         self.paused = mode
         self._resumed.clear()
@@ -334,6 +350,34 @@ def test_n2_tokens_logprobs_text_assembled_from_deltas(make_runner):
         assert versions == [7] * 23
         assert reason == "length"
         assert text == e_text
+
+
+def test_text_decoded_once_at_the_end_when_vllm_does_not_detokenize(make_runner):
+    """detokenize=False (what StreamingVLLMEngine asks for): the fake writes no text per token, and the runner
+    decodes each sample once with the engine's tokenizer; per-prompt params may mix both."""
+    runner, fake = make_runner()
+    prompts = [[1, 2], [3, 4, 5]]
+    each = [FakeSamplingParams(n=2, max_tokens=17, detokenize=False), FakeSamplingParams(n=2, max_tokens=17)]
+    rows = runner.generate(prompts, each, version_fn=lambda: 0)
+    for i, idx, toks, _lps, _v, _reason, text in rows:
+        assert toks == expected(prompts[i], idx, 17)[0] and text == expected(prompts[i], idx, 17)[2]
+
+
+def test_pause_records_its_parts_and_the_open_requests(make_runner):
+    """The pause is the engine core's own call (no AsyncLLM.pause_generation sleep); last_pause says where it spent
+    its time and how many requests were open (sync/pause_* in a run)."""
+    runner, fake = make_runner(step_s=0.003)
+    job = Bg(runner.generate, [[1], [2], [3]], FakeSamplingParams(n=2, max_tokens=80))
+    wait_for(lambda: fake.tokens_emitted >= 12)
+    runner.pause("keep")
+    p = runner.last_pause
+    assert set(p) == {"loop_lag_s", "core_s", "drain_s", "return_s", "open_requests"} and p["open_requests"] == 3
+    assert all(p[k] >= 0 for k in p) and p["drain_s"] < 1e-3 and p["core_s"] < 0.02   # no drain, no 20 ms sleep
+    runner.resume()
+    assert len(job.get()) == 6
+    runner.pause("keep")
+    assert runner.last_pause["open_requests"] == 0
+    runner.resume()
 
 
 def test_no_logprobs_requested_gives_empty_logprobs(make_runner):
