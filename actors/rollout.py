@@ -40,7 +40,7 @@ class RolloutActor:
         self.verify = True
         self._gate = threading.Condition()
         self._syncing = False
-        self.last_pause: dict[str, float] = {}   # the last pause's parts, seconds (see pause)
+        self.last_pause: dict[str, float] = {}   # the last pause's parts: seconds, and the engine's counts (see pause)
         self._active = 0   # generate calls past the sync gate (inside the engine, or queued for their turn: "wait" waits)
         self._inside = 0   # generate calls inside the engine
         self._next_ticket = 0    # rollout.deterministic: the dispatch number of the next call to serve
