@@ -29,6 +29,7 @@ from rlhf_orch.checkpoint import (checkpoint_dir, commit, find_good, read_rl_sta
                                   write_rl_state)
 from rlhf_orch.config import engine_names
 from rlhf_orch.config.checks import pause_mode
+from rlhf_orch.engines import hooks_from_env
 from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError
 from rlhf_orch.metrics import JsonlSink, MultiSink, TensorBoardSink, plot_run, plot_staleness, plot_timeline
 from rlhf_orch.metrics.timeline import Timeline
@@ -111,11 +112,11 @@ class Cluster(EngineRecovery):
         self.sampling, sleep_levels = {}, {}
         self.env, self.model_path, self.slots = env, model_path, {}
         names = iter(engine_names(cfg))
-        for ecfg in cfg.engines:
+        for entry, ecfg in enumerate(cfg.engines):
             for _ in range(ecfg.count):
                 ename = next(names)
                 self.slots[ename] = {"ecfg": ecfg, "bundle": self.placement.engine_bundles[ename][0],
-                                     "index": len(self.slots), "base": ename}
+                                     "index": len(self.slots), "base": ename, "entry": entry}
                 self.engines[ename] = self._make_engine(ename)
                 self.sampling[ename] = ecfg.sampling
                 sleep_levels[ename] = ecfg.sleep_level
@@ -151,7 +152,7 @@ class Cluster(EngineRecovery):
         seed = cfg.experiment.seed + 1000 * (slot["index"] + 1) + 7919 * restart
         opts = self.placement.options(bundle, f"{cfg.experiment.name}-engine-{ename}", engine_env(self.env, ecfg))
         return RolloutActor.options(**opts).remote(ename, ecfg, cfg.trainer.device, self.placement.device_id(bundle),
-                                                   self.model_path, cfg.model.dtype, seed)
+                                                   self.model_path, cfg.model.dtype, seed, hooks_from_env(slot["entry"]))
 
     def _sinks(self):
         m, sinks = self.cfg.metrics, []

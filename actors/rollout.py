@@ -30,11 +30,12 @@ from rlhf_orch.weight_sync.replay import LoadReplay
 @ray.remote(max_concurrency=64)
 class RolloutActor:
     def __init__(self, name: str, ecfg: EngineConfig, device: str, device_id: str, model_path: str, dtype: str,
-                 seed: int):
-        """The engine its typed section describes (rlhf_orch/engines.engine_options), on `device_id`."""
+                 seed: int, hooks: dict | None = None):
+        """The engine its typed section describes (rlhf_orch/engines.engine_options), on `device_id`; `hooks`: test
+        hooks (rlhf_orch.engines.hooks_from_env, read by the driver)."""
         setup_process(device)
         self.name = name
-        kind, kwargs = engine_options(ecfg, model_path, dtype, seed)
+        kind, kwargs = engine_options(ecfg, model_path, dtype, seed, hooks)
         self.engine = engine_class(kind)(name=name, device=device, device_id=device_id, **kwargs)
         self.receiver = None
         self.verify = True

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -38,6 +39,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from rlhf_orch.engines import HOOKS_ENV  # noqa: E402
 
 MODES = {"sync": dict(max_staleness=0, partial_rollouts=False), "k1": dict(max_staleness=1, partial_rollouts=False),
          "k1p": dict(max_staleness=1, partial_rollouts=True),
@@ -89,7 +91,9 @@ def build(args, out: Path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     total = len(args.modes.split(",")) * args.segments * (args.warmup + args.steps)
     placement = "colocated" if args.colocated else "dedicated"
-    engine = {"kind": "hf", "name": "hf", "placement": placement, "decode_delay_s": args.decode_delay} if args.dry_run else {
+    if args.dry_run and args.decode_delay:   # the hf engine's test hook (rlhf_orch.engines.hooks_from_env)
+        os.environ[HOOKS_ENV] = json.dumps({"engines.0": {"decode_delay_s": args.decode_delay}})
+    engine = {"kind": "hf", "name": "hf", "placement": placement} if args.dry_run else {
         "kind": "vllm", "name": "vllm", "placement": placement, "streaming": True,
         "gpu_memory_utilization": 0.45 if args.colocated else 0.85,
         "max_model_len": args.cap + 64, "kv_cache_memory_gb": args.kv_cache_gb}   # bounds the blocks a cache reset walks
@@ -221,7 +225,6 @@ def main(argv=None) -> int:
         args.micro_batch, args.dispatch_groups = 4, 2
     args.steps = 5 if args.steps is None else args.steps
     import logging
-    import os
     logging.basicConfig(level=os.environ.get("RLHF_ORCH_LOG_LEVEL", "WARNING"))
     import launch
     from actors.builder import Cluster

@@ -313,12 +313,6 @@ class _EngineBase(_Section):
 class HFEngineConfig(_EngineBase):
     kind: Literal["hf"] = Field(description="Built-in transformers engine (CPU or one GPU).")
     max_batch_size: int = Field(256, ge=1, description="Sequences per generate call.")
-    decode_delay_s: float = Field(0.0, ge=0, description="Test hook: sleep this long before each decode step "
-                                  "(a slow engine, to exercise overlap, partial rollouts and deadlines on CPU).")
-    stepwise_sync: bool = Field(False, description="Test hook: take every weight sync bucket by bucket through the "
-                                "coordinator (the path SGLang engines use) instead of in one call.")
-    sync_delay_s: float = Field(0.0, ge=0, description="Test hook: sleep this long before loading each weight-sync "
-                                "bucket (a slow sync, so a test can kill the engine in the middle of one).")
 
 
 class VLLMEngineConfig(_EngineBase):

@@ -6,6 +6,8 @@ a vLLM engine is actually built.
 from __future__ import annotations
 
 import importlib
+import json
+import os
 
 from rlhf_orch.engines.base import RolloutEngine, SamplingParams
 from rlhf_orch.errors import ConfigError
@@ -35,15 +37,42 @@ def engine_class(kind: str):
 _NOT_ENGINE_ARGS = {"name", "count", "placement", "sampling", "kind", "sleep_level", "python_path"}
 
 
-def engine_options(ecfg, model_path: str, dtype: str, seed: int) -> tuple[str, dict]:
+# Test hooks of the hf engine: a slow engine or a slow sync, or the coordinator's bucket-by-bucket sync path. They
+# are not part of the user's config: tests set them in the driver's environment, per engine entry of the config,
+#   RLHF_ORCH_TEST_HOOKS='{"engines.1": {"decode_delay_s": 0.02, "sync_delay_s": 1.0, "stepwise_sync": true}}'
+HOOKS_ENV = "RLHF_ORCH_TEST_HOOKS"
+HF_HOOKS = {"decode_delay_s": float, "stepwise_sync": bool, "sync_delay_s": float}
+
+
+def hooks_from_env(entry: int) -> dict:
+    """The test hooks $RLHF_ORCH_TEST_HOOKS gives the config's engine entry `entry` ({} for none)."""
+    text = os.environ.get(HOOKS_ENV, "")
+    if not text:
+        return {}
+    try:
+        hooks = json.loads(text).get(f"engines.{entry}", {})
+    except (ValueError, AttributeError) as e:
+        raise ConfigError(f"{HOOKS_ENV}: not a JSON object of engine entries ({e}); e.g. "
+                          '\'{"engines.0": {"decode_delay_s": 0.02}}\'') from e
+    unknown = sorted(set(hooks) - set(HF_HOOKS))
+    if unknown:
+        raise ConfigError(f"{HOOKS_ENV}: unknown test hook(s) {unknown} for engines.{entry}; use {sorted(HF_HOOKS)}")
+    return {k: HF_HOOKS[k](v) for k, v in hooks.items()}
+
+
+def engine_options(ecfg, model_path: str, dtype: str, seed: int, hooks: dict | None = None) -> tuple[str, dict]:
     """(registry kind, keyword arguments) of the engine an engine section describes, made where it is built (the
-    rollout actor receives the typed section): the section's own fields, and what its kind needs besides."""
+    rollout actor receives the typed section): the section's own fields, and what its kind needs besides.
+    `hooks`: test hooks (hooks_from_env), for hf engines only."""
     kwargs = {"model_path": model_path, "dtype": dtype, "seed": seed, **ecfg.model_dump(exclude=_NOT_ENGINE_ARGS)}
+    if hooks and ecfg.kind != "hf":
+        raise ConfigError(f"{HOOKS_ENV}: test hooks {sorted(hooks)} apply to hf engines only, not {ecfg.kind}")
     if ecfg.kind == "hf":
         kwargs.pop("tensor_parallel_size")
+        kwargs.update(hooks or {})
     if ecfg.kind == "sglang":   # SGLang must know at start whether it will release memory
         kwargs.update(enable_memory_saver=ecfg.sleep_level > 0, enable_weights_cpu_backup=ecfg.sleep_level == 1)
     return (f"{ecfg.kind}-streaming" if getattr(ecfg, "streaming", False) else ecfg.kind), kwargs   # vllm-/sglang-streaming
 
 
-__all__ = ["RolloutEngine", "SamplingParams", "engine_class", "engine_options"]
+__all__ = ["RolloutEngine", "SamplingParams", "engine_class", "engine_options", "hooks_from_env"]

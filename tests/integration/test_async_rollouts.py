@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 from baselines import baseline  # noqa: E402
+from engine_hooks import set_engine_hooks  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false"]
@@ -47,10 +48,10 @@ def test_staleness_zero_reproduces_the_synchronous_loop(tmp_path):
     assert len(set(_trained(run))) == 20 * 16
 
 
-def test_staleness_one_partial_rollouts_filtering_and_tis(tmp_path):
+def test_staleness_one_partial_rollouts_filtering_and_tis(tmp_path, monkeypatch):
+    set_engine_hooks(monkeypatch, {"decode_delay_s": 0.02}, {"decode_delay_s": 0.02})   # runs long enough to overlap
     run, records = _run(tmp_path, "async", "experiment.steps=8", "rollout.max_staleness=1", "rollout.partial_rollouts=true",
                         "rollout.filter_groups=true", "rollout.dispatch_groups=2", "algorithm.off_policy=tis",
-                        "engines.0.decode_delay_s=0.02", "engines.1.decode_delay_s=0.02",
                         "engines.0.sampling.max_new_tokens=6", "engines.1.sampling.max_new_tokens=6")
     assert [r["step"] for r in records] == list(range(1, 9))
     for r in records:

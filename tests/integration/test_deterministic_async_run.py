@@ -20,6 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
+from engine_hooks import set_engine_hooks  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
@@ -40,14 +41,16 @@ def _trained(run):
     return [[tuple(src) for src in json.loads(line)["sources"]] for line in (run / "rollouts.jsonl").read_text().splitlines()]
 
 
-def test_deterministic_staleness_one_runs_repeat_exactly(tmp_path):
+def test_deterministic_staleness_one_runs_repeat_exactly(tmp_path, monkeypatch):
     common = ["experiment.steps=8", "experiment.seed=3", "rollout.max_staleness=1", "rollout.deterministic=true",
               "rollout.dispatch_groups=2",    # 4 calls per engine per step: their order on the engine matters
               "rollout.filter_groups=true"]   # and replacements for equal-reward groups, drawn at fixed points
     # Overlapped syncs, each slowed to 0.3 s in the dedicated engine's load: longer than a train step here.
-    run_a, a = _run(tmp_path, "det_a", *common, "engines.1.sync_delay_s=0.3")
+    set_engine_hooks(monkeypatch, {}, {"sync_delay_s": 0.3})
+    run_a, a = _run(tmp_path, "det_a", *common)
     # The same run with the dedicated engine slower and every sync whole: other timing, the same values.
-    run_b, b = _run(tmp_path, "det_b", *common, "engines.1.decode_delay_s=0.03", "weight_sync.overlap=false")
+    set_engine_hooks(monkeypatch, {}, {"decode_delay_s": 0.03})
+    run_b, b = _run(tmp_path, "det_b", *common, "weight_sync.overlap=false")
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 9))
     for ra, rb in zip(a, b):
         for key in KEYS:
@@ -75,11 +78,11 @@ def _events(run):
     return [json.loads(line) for line in (run / "timeline.jsonl").read_text().splitlines()]
 
 
-def test_abort_requeues_running_groups_without_losing_or_repeating(tmp_path):
+def test_abort_requeues_running_groups_without_losing_or_repeating(tmp_path, monkeypatch):
     # Slow decoding: the next step's groups are still running when the trainer finishes, so each sync catches some.
     # The dedicated engine's loads take 0.3 s: with weight_sync.overlap (auto here) the trainer does not wait for them.
+    set_engine_hooks(monkeypatch, {"decode_delay_s": 0.05}, {"decode_delay_s": 0.05, "sync_delay_s": 0.3})
     run, records = _run(tmp_path, "abort", "experiment.steps=8", "rollout.max_staleness=1", "rollout.dispatch_groups=2",
-                        "engines.0.decode_delay_s=0.05", "engines.1.decode_delay_s=0.05", "engines.1.sync_delay_s=0.3",
                         "engines.0.sampling.max_new_tokens=6", "engines.1.sampling.max_new_tokens=6")
     config = json.loads((run / "config.json").read_text())
     assert config["rollout"]["running_requests"] == "abort"    # auto, resolved and saved

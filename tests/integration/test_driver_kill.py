@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from baselines import baseline
+from engine_hooks import engine_hooks
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -65,12 +66,12 @@ def _describe(procs: list[psutil.Process]) -> str:
 
 def test_sigkilled_driver_leaves_no_ray_processes(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RLHF_ORCH_WATCHDOG")}
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo", TOKENIZERS_PARALLELISM="false")
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo", TOKENIZERS_PARALLELISM="false",
+               **engine_hooks({"decode_delay_s": 0.02}, {"decode_delay_s": 0.02}))   # slower steps, same numbers
     common = [f"experiment.output_dir={tmp_path}", "experiment.name=killed", "experiment.steps=20",
               "trainer.checkpoint_every=5", "ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false",
               "metrics.plots=false"]
-    cmd = [sys.executable, str(ROOT / "launch.py"), "--config", str(ROOT / "configs/tiny_cpu.yaml"), *common,
-           "engines.0.decode_delay_s=0.02", "engines.1.decode_delay_s=0.02"]   # slower steps, same numbers
+    cmd = [sys.executable, str(ROOT / "launch.py"), "--config", str(ROOT / "configs/tiny_cpu.yaml"), *common]
     log_path = tmp_path / "driver.log"
     metrics = tmp_path / "killed" / "metrics.jsonl"
     session_dir, seen, leftovers = None, {}, []

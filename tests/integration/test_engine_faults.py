@@ -24,11 +24,17 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 from bench.recovery import kill_in_turn, pid_of  # noqa: E402
+from engine_hooks import set_engine_hooks  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 COMMON = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false",
-          "trainer.warm_start_steps=0", "experiment.log_samples_every=0",
-          "engines.0.decode_delay_s=0.005", "engines.1.decode_delay_s=0.005"]
+          "trainer.warm_start_steps=0", "experiment.log_samples_every=0"]
+SLOW = {"decode_delay_s": 0.005}   # every engine a little slower (test hooks: tests/engine_hooks.py)
+
+
+@pytest.fixture(autouse=True)
+def _slow_engines(monkeypatch):
+    set_engine_hooks(monkeypatch, SLOW, SLOW)
 
 
 def _fault_at(run_dir: Path, step: int, sig: int, actor_suffix: str, out: dict) -> threading.Thread:
@@ -124,7 +130,7 @@ def test_the_only_engine_dies_and_a_replacement_gets_the_current_weights_at_once
     info = {}
     killer = _fault_at(run, 4, signal.SIGKILL, "-engine-colocated", info)
     rc = launch.main(["--config", str(path), f"experiment.output_dir={tmp_path}", "experiment.name=alone",
-                      "experiment.steps=30", *COMMON[:-1]])
+                      "experiment.steps=30", *COMMON])
     killer.join(timeout=5)
     assert rc == 0 and "pid" in info, info
     records, summary = _check_run(run, 30)
@@ -134,15 +140,16 @@ def test_the_only_engine_dies_and_a_replacement_gets_the_current_weights_at_once
     assert records[-1]["sync/ipc_engines"] == 1 and records[-1]["fault/engines_live"] == 1
 
 
-def test_engine_without_progress_is_declared_hung_and_restarts_are_bounded(tmp_path):
+def test_engine_without_progress_is_declared_hung_and_restarts_are_bounded(tmp_path, monkeypatch):
     """The dedicated engine answers its health checks but takes 10 s per decode step (longer than
     engine_stall_s): it is hung. Its replacement (same config) hangs too; with max_engine_restarts=1 spent, the run
     finishes on the colocated engine, and summary.json lists both faults."""
     run = tmp_path / "slow"
+    set_engine_hooks(monkeypatch, SLOW, {"decode_delay_s": 10})   # the dedicated engine makes no progress
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                       "experiment.name=slow", "experiment.steps=4", "fault_tolerance.engine_stall_s=3",
                       "fault_tolerance.health_interval_s=0.5", "fault_tolerance.max_engine_restarts=1",
-                      *COMMON[:-1], "engines.1.decode_delay_s=10"])
+                      *COMMON])
     assert rc == 0
     records, summary = _check_run(run, 4)
     assert [(f["engine"], f["replacement"]) for f in summary["faults"]] == [("dedicated", "dedicated.r1"),
@@ -151,7 +158,7 @@ def test_engine_without_progress_is_declared_hung_and_restarts_are_bounded(tmp_p
     assert records[-1]["fault/engines_live"] == 1 and records[-1]["fault/engine_restarts"] == 1
 
 
-def test_a_member_killed_during_a_weight_sync_is_abandoned_by_the_others_at_once(tmp_path):
+def test_a_member_killed_during_a_weight_sync_is_abandoned_by_the_others_at_once(tmp_path, monkeypatch):
     """Issue #33 (and #17 before it). Each kind of sync member is SIGKILLed while a sync is in flight, in one run:
     the colocated engine (ipc), then the dedicated one (broadcast), then trainer rank 0 (the sender). Every engine
     sleeps 1 s before loading a bucket (`sync_delay_s`), so each sync lasts long enough to be hit. The survivors
@@ -164,9 +171,9 @@ def test_a_member_killed_during_a_weight_sync_is_abandoned_by_the_others_at_once
     killer = kill_in_turn(run, [("-engine-colocated", 3, "-engine-dedicated"),
                                 ("-engine-dedicated", 6, "-engine-colocated.r1"),
                                 ("-trainer-0", 10, "-engine-colocated.r1")], info, poll_s=0.02)
+    set_engine_hooks(monkeypatch, {**SLOW, "sync_delay_s": 1.0}, {**SLOW, "sync_delay_s": 1.0})
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
-                      "experiment.name=midsync", "experiment.steps=12", "trainer.checkpoint_every=4", *COMMON,
-                      "engines.0.sync_delay_s=1.0", "engines.1.sync_delay_s=1.0"])
+                      "experiment.name=midsync", "experiment.steps=12", "trainer.checkpoint_every=4", *COMMON])
     killer.join(timeout=5)
     assert rc == 0 and len(info) == 3 and all("pid" in k for k in info), info
     _, summary = _check_run(run, 12)
@@ -187,7 +194,7 @@ def test_a_member_killed_during_a_weight_sync_is_abandoned_by_the_others_at_once
     assert "died" in restart["error"] and summary["resumed_from"] == 8
 
 
-def test_an_engine_killed_during_an_overlapped_sync_is_replaced_from_the_staged_weights(tmp_path):
+def test_an_engine_killed_during_an_overlapped_sync_is_replaced_from_the_staged_weights(tmp_path, monkeypatch):
     """Issue #27 item 2 with #33: at max_staleness 1 the sync of step s overlaps step s+1 (weight_sync.overlap auto),
     and the trainer ranks may already hold step s+1's weights when its failure is seen. The dedicated engine is
     SIGKILLed inside such a transfer (its loads take 1 s): the driver sees the failed sync while it waits for the next
@@ -199,9 +206,10 @@ def test_an_engine_killed_during_an_overlapped_sync_is_replaced_from_the_staged_
     info: list = []
     killer = kill_in_turn(run, [("-engine-dedicated", 3, "-engine-dedicated"),
                                 ("-weight-sync", 5, "-engine-dedicated.r1")], info, poll_s=0.02)
+    set_engine_hooks(monkeypatch, SLOW, {**SLOW, "sync_delay_s": 1.0})   # the dedicated engine syncs slowly
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                       "experiment.name=overlap_kill", "experiment.steps=8", "rollout.max_staleness=1",
-                      "metrics.plots=false", *COMMON, "engines.1.sync_delay_s=1.0"])
+                      "metrics.plots=false", *COMMON])
     killer.join(timeout=5)
     assert rc == 0 and len(info) == 2 and all("pid" in i for i in info), info
     _, summary = _check_run(run, 8, overlapped=True)

@@ -18,12 +18,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from engine_hooks import engine_hooks  # noqa: E402
 from rlhf_orch.checkpoint import checkpoint_dir, find_good  # noqa: E402
 
 pytestmark = pytest.mark.integration
 ARGS = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "trainer.warm_start_steps=0",
-        "experiment.name=jobstop", "experiment.steps=500", "experiment.log_samples_every=0",
-        "engines.0.decode_delay_s=0.01", "engines.1.decode_delay_s=0.01"]   # no experiment.output_dir: "runs"
+        "experiment.name=jobstop", "experiment.steps=500", "experiment.log_samples_every=0"]   # no output_dir: "runs"
+HOOKS = engine_hooks({"decode_delay_s": 0.01}, {"decode_delay_s": 0.01})   # slower steps
 
 
 def _free_ports(n: int) -> list[int]:
@@ -99,7 +100,7 @@ def test_ray_job_stop_leaves_summary_plots_and_checkpoint_outside_working_dir(tm
         job = "jobstop-" + secrets.token_hex(4)
         runtime_env = {"excludes": [".git", ".stage", ".whl", "runs", "build"],
                        "env_vars": {"RLHF_ORCH_OUTPUT_DIR": str(out_root), "RAY_JOB_STOP_WAIT_TIME_S": "60",
-                                    "PYTHONUNBUFFERED": "1"}}
+                                    "PYTHONUNBUFFERED": "1", **HOOKS}}
         _ray_job(env, address, "submit", "--no-wait", f"--submission-id={job}", f"--working-dir={ROOT}",
                  f"--runtime-env-json={json.dumps(runtime_env)}", "--",
                  "python", "launch.py", "--config", "configs/tiny_cpu.yaml", *ARGS)

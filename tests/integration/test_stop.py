@@ -15,16 +15,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from engine_hooks import engine_hooks  # noqa: E402
 from rlhf_orch.checkpoint import checkpoint_dir, find_good  # noqa: E402
 
 pytestmark = pytest.mark.integration
 ARGS = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "trainer.warm_start_steps=0",
-        "experiment.name=stop", "experiment.steps=500", "experiment.log_samples_every=0",
-        "engines.0.decode_delay_s=0.01", "engines.1.decode_delay_s=0.01"]
+        "experiment.name=stop", "experiment.steps=500", "experiment.log_samples_every=0"]
+HOOKS = engine_hooks({"decode_delay_s": 0.01}, {"decode_delay_s": 0.01})   # slower steps
 
 
 def test_sigterm_saves_checkpoint_summary_and_plots(tmp_path):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **HOOKS}
     proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--config", str(ROOT / "configs/tiny_cpu.yaml"),
                              f"experiment.output_dir={tmp_path}", *ARGS], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "driver.log", "w"))

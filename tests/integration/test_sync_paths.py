@@ -12,17 +12,19 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 from baselines import baseline  # noqa: E402
+from engine_hooks import set_engine_hooks  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 
 
 @pytest.mark.parametrize("stepwise", [0, 1])   # engines.0: colocated (ipc); engines.1: dedicated (broadcast)
-def test_one_call_and_stepwise_engines_in_one_sync(tmp_path, stepwise):
+def test_one_call_and_stepwise_engines_in_one_sync(tmp_path, monkeypatch, stepwise):
     base = baseline("tiny_cpu_20steps")
+    set_engine_hooks(monkeypatch, *({"stepwise_sync": True} if i == stepwise else {} for i in range(2)))
     name = f"mixed{stepwise}"
     assert launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                         f"experiment.name={name}", "experiment.steps=3", "ray.num_cpus=2", "metrics.trackers=[jsonl]",
-                        "metrics.ray_metrics=false", "metrics.plots=false", f"engines.{stepwise}.stepwise_sync=true"]) == 0
+                        "metrics.ray_metrics=false", "metrics.plots=false"]) == 0
     records = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     for want, got in zip(base["steps"], records):

@@ -3,6 +3,8 @@ actor, the coordinator and the benchmarks read (engines/base.Capabilities), and 
 its environment. Checked on CPU: no engine library is imported (SGLang's capabilities are read off a bare object)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rlhf_orch.config.schema import HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig
@@ -10,6 +12,8 @@ from rlhf_orch.engines import engine_class, engine_options
 from rlhf_orch.engines.base import TRANSPORTS, Capabilities, streams_over
 from rlhf_orch.engines.sglang import SGLangEngine   # imports no SGLang until an engine starts
 from rlhf_orch.engines.vllm import multicast_free
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_hf_engine_declares_what_its_decode_loop_and_receiver_do(tiny_model_dir):
@@ -54,9 +58,9 @@ def test_vllm_decides_where_multicast_is_not_turned_off(monkeypatch):
 def test_an_engine_section_becomes_its_kind_and_arguments_where_the_engine_is_built():
     """The rollout actor receives the typed section (issue #28); engine_options turns it into the registry kind and
     the engine's own arguments: placement, sampling and sleep stay the driver's."""
-    kind, kw = engine_options(HFEngineConfig(kind="hf", decode_delay_s=0.5), "m", "float32", 7)
+    kind, kw = engine_options(HFEngineConfig(kind="hf"), "m", "float32", 7, {"decode_delay_s": 0.5})
     assert kind == "hf" and kw == {"model_path": "m", "dtype": "float32", "seed": 7, "max_batch_size": 256,
-                                   "decode_delay_s": 0.5, "stepwise_sync": False, "sync_delay_s": 0.0}
+                                   "decode_delay_s": 0.5}
     kind, kw = engine_options(VLLMEngineConfig(kind="vllm", streaming=True, tensor_parallel_size=2,
                                                load_format="dummy"), "m", "bfloat16", 0)
     assert kind == "vllm-streaming" and kw["tensor_parallel_size"] == 2 and kw["load_format"] == "dummy"
@@ -64,3 +68,25 @@ def test_an_engine_section_becomes_its_kind_and_arguments_where_the_engine_is_bu
                                                  python_path="/x"), "m", "bfloat16", 0)
     assert kind == "sglang" and kw["enable_memory_saver"] and kw["enable_weights_cpu_backup"]
     assert not {"python_path", "sleep_level", "placement", "sampling", "name", "count", "kind"} & set(kw)
+
+
+def test_test_hooks_come_from_the_environment_not_the_config(monkeypatch):
+    """The hf engine's test hooks are no config keys (a user's config cannot set them, issue #28); the driver reads
+    $RLHF_ORCH_TEST_HOOKS per engine entry, and a wrong one fails with a message that names the variable."""
+    from rlhf_orch.config import load_config
+    from rlhf_orch.engines import HOOKS_ENV, hooks_from_env
+    from rlhf_orch.errors import ConfigError
+    with pytest.raises(Exception, match="decode_delay_s"):
+        load_config(ROOT / "configs/tiny_cpu.yaml", ["engines.0.decode_delay_s=0.5"])
+    monkeypatch.delenv(HOOKS_ENV, raising=False)
+    assert hooks_from_env(0) == {}
+    monkeypatch.setenv(HOOKS_ENV, '{"engines.1": {"sync_delay_s": 1, "stepwise_sync": 1}}')
+    assert hooks_from_env(0) == {} and hooks_from_env(1) == {"sync_delay_s": 1.0, "stepwise_sync": True}
+    with pytest.raises(ConfigError, match="hf engines only"):
+        engine_options(VLLMEngineConfig(kind="vllm"), "m", "bfloat16", 0, hooks_from_env(1))
+    monkeypatch.setenv(HOOKS_ENV, '{"engines.0": {"decode_delay": 1}}')
+    with pytest.raises(ConfigError, match="RLHF_ORCH_TEST_HOOKS: unknown test hook"):
+        hooks_from_env(0)
+    monkeypatch.setenv(HOOKS_ENV, "[1]")
+    with pytest.raises(ConfigError, match="not a JSON object"):
+        hooks_from_env(0)
