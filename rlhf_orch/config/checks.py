@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from rlhf_orch.models.tiny import BUILTIN_PREFIX, CHARS, SPECIAL_TOKENS
+from rlhf_orch.rewards import NO_FUNCTION
+# Imported where used: the algorithms, data tasks and packing (they bring torch in, and loading a config, as
+# `rlhf-orch check` does, needs none), transformers, and schema itself (it imports this module).
 
 if TYPE_CHECKING:
     from rlhf_orch.config.schema import ExperimentConfig, RolloutSection
@@ -121,8 +129,6 @@ def resolve_rollout_defaults(cfg: ExperimentConfig) -> None:
 
 def output_problems(cfg: ExperimentConfig) -> list[str]:
     """The run folder must be creatable: checked now, not when the first file is written after Ray started."""
-    import os
-    import tempfile
     try:   # creating it is what the run would do first anyway; a probe file shows it is writable
         os.makedirs(cfg.experiment.output_dir, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=cfg.experiment.output_dir):
@@ -213,7 +219,6 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
 
 def ray_problems(cfg: ExperimentConfig) -> list[str]:
     """ray-section rules (whether the placement fits the machine or cluster is checked by rlhf_orch.resources)."""
-    import os
     r, p = cfg.ray, []
     if r.num_cpus is not None and r.address:
         p.append("ray.num_cpus: sizes a local Ray only and ray.address joins a cluster, which has its own CPUs; remove it")
@@ -305,7 +310,6 @@ def _critic_placement_problems(cfg: ExperimentConfig) -> list[str]:
 def reward_source_problems(cfg: ExperimentConfig) -> list[str]:
     """A reward source that counts: the function with a non-zero weight, or a reward model with one. (No source at
     all, and both weights 0, are refused by RewardSection itself.)"""
-    from rlhf_orch.rewards import NO_FUNCTION
     r = cfg.reward
     function = r.function != NO_FUNCTION and r.function_weight != 0
     model = r.model_path is not None and r.model_weight != 0
@@ -321,7 +325,6 @@ def reward_source_problems(cfg: ExperimentConfig) -> list[str]:
 def policy_vocab_size(cfg: ExperimentConfig) -> int | None:
     """The policy's vocabulary size (the token ids its samples can hold); None when its config cannot be read
     (model.path's own check reports that)."""
-    from rlhf_orch.models.tiny import BUILTIN_PREFIX, CHARS, SPECIAL_TOKENS
     if cfg.model.path.startswith(BUILTIN_PREFIX):
         return len(SPECIAL_TOKENS) + len(CHARS)
     try:
@@ -334,8 +337,6 @@ def policy_vocab_size(cfg: ExperimentConfig) -> int | None:
 def causal_lm_problem(path: str, policy_vocab: int | None) -> str | None:
     """What is wrong with `path` as the critic's starting model (a local causal LM folder: the critic keeps its
     decoder and puts a value head on it), in one sentence with the fix; None if nothing. Reads config.json only."""
-    from pathlib import Path
-    from rlhf_orch.models.tiny import BUILTIN_PREFIX
     unset = "remove critic.model_path to start the critic from model.path"
     if path.startswith(BUILTIN_PREFIX):
         return (f"{path!r}: built-in models are built for model.path only; {unset} (which may be builtin:tiny-llama), "
@@ -372,7 +373,6 @@ def causal_lm_problem(path: str, policy_vocab: int | None) -> str | None:
 
 def eval_problems(cfg: ExperimentConfig) -> list[str]:
     """eval-section rules that need no file read (its rows are read and checked by rlhf_orch.evaluation)."""
-    from pathlib import Path
     from rlhf_orch.data.tasks import TASKS
 
     e, p = cfg.eval, []
@@ -398,7 +398,6 @@ FILE_ONLY_DATA_FIELDS = ("split", "prompt_key", "answer_key", "system_prompt", "
 
 def data_problems(cfg: ExperimentConfig) -> list[str]:
     """data-section rules that need no file read (the rows are checked by rlhf_orch.data.dataset_problems)."""
-    from pathlib import Path
 
     d, p = cfg.data, []
     given = d.model_fields_set
