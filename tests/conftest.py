@@ -49,3 +49,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config):
+    """The shared Ray of tests/integration/conftest.py: whether it is up, and how to stop it."""
+    config.shared_ray_up = False
+
+    def stop_shared_ray() -> None:
+        if config.shared_ray_up:
+            import ray
+            ray.shutdown()
+            config.shared_ray_up = False
+    config.stop_shared_ray = stop_shared_ray
+
+
+@pytest.fixture(autouse=True)
+def _shared_ray_only_where_asked(request):
+    """The integration tests' shared Ray is up only for tests that ask for it (`shared_ray`): any other test starts
+    its own Ray, or none, as a run does."""
+    if "shared_ray" not in request.fixturenames:
+        request.config.stop_shared_ray()
+
+
+def pytest_sessionfinish(session):
+    session.config.stop_shared_ray()

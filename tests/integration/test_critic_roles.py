@@ -25,6 +25,7 @@ from baselines import baseline  # noqa: E402
 from test_engine_faults import _fault_at  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
+KILLS_PROCESSES = True   # the shared Ray is shut down after this module (tests/integration/conftest.py)
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
 COMMON = ["reward.function=tests.ppo_rewards:starts_with_odd_digit", "critic.warmup_steps=1", *QUIET]
 BASE = baseline("tiny_cpu_ppo_6steps")

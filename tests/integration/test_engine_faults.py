@@ -27,6 +27,7 @@ from bench.recovery import kill_in_turn, pid_of  # noqa: E402
 from engine_hooks import set_engine_hooks  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
+KILLS_PROCESSES = True   # the shared Ray is shut down after this module (tests/integration/conftest.py)
 COMMON = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false",
           "trainer.warm_start_steps=0", "experiment.log_samples_every=0"]
 SLOW = {"decode_delay_s": 0.005}   # every engine a little slower (test hooks: tests/engine_hooks.py)

@@ -20,6 +20,7 @@ from baselines import baseline  # noqa: E402
 from bench.recovery import kill_in_turn  # noqa: E402   (the benchmark's, one copy)
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
+KILLS_PROCESSES = True   # the shared Ray is shut down after this module (tests/integration/conftest.py)
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
 VICTIMS = [("-trainer-1", 4), ("-reward-0", 8), ("-weight-sync", 10), ("-reference-1", 13), ("-rollouts", 17)]
 
