@@ -398,7 +398,6 @@ FILE_ONLY_DATA_FIELDS = ("split", "prompt_key", "answer_key", "system_prompt", "
 
 def data_problems(cfg: ExperimentConfig) -> list[str]:
     """data-section rules that need no file read (the rows are checked by rlhf_orch.data.dataset_problems)."""
-
     d, p = cfg.data, []
     given = d.model_fields_set
     if d.source.startswith("builtin:"):

@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from engine_contract import run_contract, run_inflight_contract, two_models
+from rlhf_orch.engines.base import SamplingParams
+from rlhf_orch.engines.vllm_async import StreamingVLLMEngine   # imports vLLM only when an engine starts
+from rlhf_orch.models import build_tokenizer
 
 pytestmark = pytest.mark.gpu
 vllm = pytest.importorskip("vllm")
@@ -26,7 +29,6 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(dirs):
-    from rlhf_orch.engines.vllm_async import StreamingVLLMEngine
     e = StreamingVLLMEngine(name="s", model_path=dirs[0], dtype="bfloat16", gpu_memory_utilization=0.25,
                             enforce_eager=True, enable_sleep_mode=False, max_model_len=1024, seed=0,
                             kv_cache_memory_gb=1)
@@ -35,14 +37,11 @@ def engine(dirs):
 
 
 def test_streaming_vllm_contract(engine, dirs):
-    from rlhf_orch.models import build_tokenizer
     run_contract(engine, dirs[0], dirs[1], build_tokenizer(), atol=0.05, dtype=torch.bfloat16)
 
 
 def test_streaming_vllm_concurrent_calls(engine):
     """Generate calls from several threads run at once (continuous batching across them)."""
-    from rlhf_orch.engines.base import SamplingParams
-    from rlhf_orch.models import build_tokenizer
     p = build_tokenizer()("1+1=", add_special_tokens=False).input_ids
     out = [None] * 4
     def go(i):
@@ -54,7 +53,6 @@ def test_streaming_vllm_concurrent_calls(engine):
 
 
 def test_streaming_vllm_keeps_requests_through_a_sync(engine, dirs):
-    from rlhf_orch.models import build_tokenizer
     engine.resume()
     run_inflight_contract(engine, dirs[1], dirs[0], build_tokenizer(), max_new_tokens=600, atol=0.05,
                           dtype=torch.bfloat16, start_delay_s=0.3, kv_recomputed=True)
@@ -63,14 +61,11 @@ def test_streaming_vllm_keeps_requests_through_a_sync(engine, dirs):
 def test_streaming_vllm_text_decoded_at_the_end_equals_vllms(engine):
     """The engine asks vLLM for no incremental detokenization (the front end's per-token work, issue #27) and decodes
     each sample once at the end: the same text vLLM's own detokenizer writes for the same tokens."""
-    from vllm import SamplingParams as VSamplingParams
-    from rlhf_orch.engines.base import SamplingParams
-    from rlhf_orch.models import build_tokenizer
     tok = build_tokenizer()
     prompts = [tok(p, add_special_tokens=False).input_ids for p in ("1+1=", "12+30=", "7+8=")]
     engine.resume()
-    theirs = engine.llm.generate(prompts, VSamplingParams(n=4, temperature=1.0, max_tokens=48, logprobs=0, seed=3,
-                                                          detokenize=True))
+    theirs = engine.llm.generate(prompts, vllm.SamplingParams(n=4, temperature=1.0, max_tokens=48, logprobs=0, seed=3,
+                                                           detokenize=True))
     assert sum(bool(r[6]) for r in theirs) > 0, "vLLM wrote no text at all: nothing compared"
     for _i, _k, toks, _lps, _v, _reason, text in theirs:
         assert engine.llm._llm.tokenizer.decode(toks, skip_special_tokens=True) == text

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 from rlhf_orch.config.schema import HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig
-from rlhf_orch.engines import engine_class, engine_options
+from rlhf_orch.config import load_config
+from rlhf_orch.engines import HOOKS_ENV, engine_class, engine_options, hooks_from_env
 from rlhf_orch.engines.base import TRANSPORTS, Capabilities, streams_over
 from rlhf_orch.engines.sglang import SGLangEngine   # imports no SGLang until an engine starts
 from rlhf_orch.engines.vllm import multicast_free
+from rlhf_orch.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,9 +75,6 @@ def test_an_engine_section_becomes_its_kind_and_arguments_where_the_engine_is_bu
 def test_test_hooks_come_from_the_environment_not_the_config(monkeypatch):
     """The hf engine's test hooks are no config keys (a user's config cannot set them, issue #28); the driver reads
     $RLHF_ORCH_TEST_HOOKS per engine entry, and a wrong one fails with a message that names the variable."""
-    from rlhf_orch.config import load_config
-    from rlhf_orch.engines import HOOKS_ENV, hooks_from_env
-    from rlhf_orch.errors import ConfigError
     with pytest.raises(Exception, match="decode_delay_s"):
         load_config(ROOT / "configs/tiny_cpu.yaml", ["engines.0.decode_delay_s=0.5"])
     monkeypatch.delenv(HOOKS_ENV, raising=False)
