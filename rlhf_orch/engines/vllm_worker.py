@@ -9,10 +9,11 @@ group and receives the full HF tensors, which the model's `load_weights` fuses (
 Loading goes through a `LoadReplay` (weight_sync/replay.py): the first sync runs `model.load_weights` per bucket
 and records where each received tensor's bytes land (vLLM fuses q/k/v and gate/up into one parameter, which is a
 plain copy into a slice of it); later syncs redo those copies with one fused copy-and-checksum kernel per bucket,
-and the checksums are then of the engine's own parameters, per HF tensor. A bucket the recorder cannot map (a
-sharded TP worker holds only part of each tensor) keeps `load_weights`, and its checksums are of the tensors
-*received* (mode "received"). Both prove the bytes arrived intact; a wrong name still fails loudly, because
-vLLM's AutoWeightsLoader raises on unknown names.
+and the checksums are then of the engine's own parameters, per HF tensor. A tensor-parallel worker holds only its
+slice of most tensors: its buckets get sharded plans (the slices copied by the same kernel, then the received
+tensors checksummed whole, mode "received"). A bucket the recorder cannot map keeps `load_weights`, and its
+checksums are of the tensors received too. Each proves the bytes arrived intact; a wrong name still fails loudly,
+because vLLM's AutoWeightsLoader raises on unknown names.
 
 Arguments arrive through vLLM's msgpack utility channel, which turns dataclasses into dicts, so the
 engine sends layouts and IPC handles pickled to bytes (see docs/vllm_api_notes.md). This module must
@@ -100,7 +101,7 @@ class WeightSyncWorkerExtension:
     def rlhf_setup_receiver(self, layouts: Any, group: dict | None, rank_offset: int, verify: bool,
                             timeout_s: float, replay: bool = True, abort_flag: str | None = None) -> float:
         """Build this worker's receiver; join the broadcast group as rank rank_offset + TP rank. Returns seconds."""
-        from vllm.distributed import get_tensor_model_parallel_rank
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         t0 = time.perf_counter()
         self._rlhf_check_supported()
@@ -109,7 +110,9 @@ class WeightSyncWorkerExtension:
             st["receiver"].close()
         params = dict(self._rlhf_model().named_parameters())   # the same Parameter objects for the engine's life
         st["receiver"] = WeightReceiver(_as_layouts(layouts), self.device, st["received"].load,
-                                        st["received"].checksums, LoadReplay(lambda: params, bool(replay)))
+                                        st["received"].checksums,
+                                        LoadReplay(lambda: params, bool(replay),
+                                                   sharded=get_tensor_model_parallel_world_size() > 1))
         if abort_flag:   # mapped once: the actor unlinks the file after the first setup
             if st.get("abort_path") != abort_flag:
                 st["abort"], st["abort_path"] = AbortFlag.attach(abort_flag), abort_flag

@@ -75,7 +75,8 @@ def triton_available(device: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class Run:
-    """`nbytes` bytes from `src` to `dst` (both uint8 tensors of exactly that many bytes), counted into `slot`."""
+    """The bytes of `src` into `dst`, counted into `slot`: both uint8, either flat or 2-D of contiguous rows (a
+    tensor-parallel slice: rows of a matrix, or a block of every row), of the same shape."""
     src: torch.Tensor
     dst: torch.Tensor
     slot: int
@@ -87,7 +88,22 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _addr_ok(t: torch.Tensor) -> bool:
+    if t.dim() == 2:
+        return t.data_ptr() % 8 == 0 and t.shape[1] % 8 == 0 and t.stride(1) == 1 and t.stride(0) % 8 == 0
     return t.data_ptr() % 8 == 0 and t.numel() % 8 == 0 and t.is_contiguous()
+
+
+def _rows(r: Run) -> torch.Tensor:
+    """The kernel's descriptor rows of one run: (source, destination, words, slot) per chunk of each row."""
+    rows, row_bytes = (r.src.shape[0], r.src.shape[1]) if r.src.dim() == 2 else (1, r.src.numel())
+    src_pitch, dst_pitch = (r.src.stride(0), r.dst.stride(0)) if r.src.dim() == 2 else (0, 0)
+    words = row_bytes // 8
+    starts = torch.arange(0, words, CHUNK_WORDS, dtype=torch.int64)
+    row = torch.arange(rows, dtype=torch.int64)[:, None]
+    src = r.src.data_ptr() + row * src_pitch + 8 * starts
+    dst = r.dst.data_ptr() + row * dst_pitch + 8 * starts
+    n = torch.clamp(words - starts, max=CHUNK_WORDS).expand_as(src)
+    return torch.stack([src, dst, n, torch.full_like(src, r.slot)], dim=-1).reshape(-1, 4)
 
 
 class CopyPlan:
@@ -109,12 +125,7 @@ class CopyPlan:
         self.kernel = _triton_kernel() if fast else None   # kept: a plan runs as it was built
         self.kernel_runs = len(fast)
         if fast:
-            rows = []
-            for r in fast:
-                s, d, words = r.src.data_ptr(), r.dst.data_ptr(), r.src.numel() // 8
-                for off in range(0, words, CHUNK_WORDS):
-                    rows.append((s + 8 * off, d + 8 * off, min(CHUNK_WORDS, words - off), r.slot))
-            self.desc = torch.tensor(rows, dtype=torch.int64).to(device)
+            self.desc = torch.cat([_rows(r) for r in fast]).to(device)
 
     @property
     def cacheable(self) -> bool:

@@ -12,9 +12,16 @@ syncs run the plan with `copysum.CopyPlan`: one kernel copies every piece and ch
 
 The checksums are then of what the engine *holds* (its parameters' bytes, per received tensor), which is a
 stronger check than the bytes received: a plan that wrote the wrong place would show. Anything the recorder does
-not understand (a transpose, a dtype conversion, a write from a computed tensor, a tensor only partly loaded as
-under tensor parallelism, an in-place op other than copy/fill) leaves that bucket on the loader, with a log line
-saying why. Memory that moves (a parameter reallocated on wake-up) only rebuilds the addresses; a parameter whose
+not understand (a transpose, a dtype conversion, a write from a computed tensor, an in-place op other than
+copy/fill) leaves that bucket on the loader, with a log line saying why.
+
+A tensor-parallel worker (`sharded=True`) holds only its slice of each tensor: its loader copies a block of rows
+(column-parallel layers, q/k/v) or a block of every row (row-parallel layers: a strided view of the received
+tensor) into its parameter. Such a bucket gets a *sharded* plan when every write is a same-dtype copy of at most
+two dimensions with contiguous rows, each read from inside one received tensor, and no two writes overlap: the
+copies run as one kernel over every row, and a second pass checksums the received tensors whole (what the
+trainer checksummed; a worker cannot checksum the whole tensor from its slice), as the loader path does for such
+engines. A bucket whose tensors a worker loads whole still gets a full plan. Memory that moves (a parameter reallocated on wake-up) only rebuilds the addresses; a parameter whose
 shape, dtype or size changed sends the bucket back to the loader, which raises its own errors.
 This module knows nothing of vLLM or Ray.
 """
@@ -40,8 +47,15 @@ class Piece:
     src_off: int      # bytes from the bucket's start
     param: str
     dst_off: int      # bytes from the parameter's first element
-    nbytes: int
+    nbytes: int       # per row
     slot: int         # index of the tensor within the bucket
+    rows: int = 1     # > 1 only in sharded plans: `rows` rows of `nbytes`, `*_pitch` bytes apart
+    src_pitch: int = 0
+    dst_pitch: int = 0
+
+    def extents(self) -> tuple[int, int]:
+        """Bytes spanned from the first row's start to the last row's end, in the source and the destination."""
+        return (self.rows - 1) * self.src_pitch + self.nbytes, (self.rows - 1) * self.dst_pitch + self.nbytes
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,7 @@ class BucketPlan:
     pieces: list[Piece]
     fills: list[Fill]
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]   # every parameter the plan writes, as recorded
+    sharded: bool = False   # the pieces load part of the tensors; the checksums are of the received tensors
 
 
 class _Recorder(TorchFunctionMode):
@@ -99,7 +114,70 @@ class _Recorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _record(layout: BucketLayout, buf: torch.Tensor, params: dict[str, torch.Tensor], load_fn) -> BucketPlan | str:
+def _rows(src: torch.Tensor, dst: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(rows, elements per row, source row stride, destination row stride) of a copy between two same-shape
+    views whose dimensions merge into at most two with contiguous rows in both; None otherwise."""
+    dims = [[n, a, b] for n, a, b in zip(src.shape, src.stride(), dst.stride()) if n != 1]
+    if not dims:
+        return 1, 1, 0, 0
+    merged = [dims[-1]]
+    for n, a, b in reversed(dims[:-1]):
+        inner = merged[0]
+        if a == inner[1] * inner[0] and b == inner[2] * inner[0]:
+            inner[0] *= n          # contiguous over both dimensions in both views: one longer row
+        else:
+            merged.insert(0, [n, a, b])
+    if len(merged) > 2 or merged[-1][1] != 1 or merged[-1][2] != 1:
+        return None
+    return (1, merged[0][0], 0, 0) if len(merged) == 1 else (merged[0][0], merged[1][0], merged[0][1], merged[0][2])
+
+
+def _whole(layout: BucketLayout, pieces: list[Piece]) -> list[Piece] | str:
+    """Pieces that cover every tensor's bytes exactly once, in runs that keep its 8-byte words whole (checksums
+    add up), each tagged with its tensor's slot; or why they do not."""
+    pieces = sorted(pieces, key=lambda x: x.src_off)
+    out, i = [], 0
+    for k, slot in enumerate(layout.slots):
+        pos, stop = slot.offset, slot.offset + slot.nbytes
+        while i < len(pieces) and pieces[i].src_off < stop:
+            pc = pieces[i]
+            if pc.rows > 1:
+                return f"{pc.param} is loaded through a strided view"
+            if pc.src_off != pos:
+                return f"{slot.name}: bytes {pos}..{pc.src_off} of the bucket are loaded {'twice' if pc.src_off < pos else 'nowhere'}"
+            if (pos - slot.offset) % 8 or (pc.src_off + pc.nbytes != stop and pc.nbytes % 8):
+                return f"{slot.name} is split at a byte offset that is not a multiple of 8"
+            out.append(Piece(pc.src_off, pc.param, pc.dst_off, pc.nbytes, k))
+            pos += pc.nbytes
+            i += 1
+        if pos != stop:
+            return f"{slot.name} is not loaded whole ({pos - slot.offset} of {slot.nbytes} bytes: a sharded engine?)"
+    if i != len(pieces):
+        return "the loader copied bytes from outside the bucket's tensors"
+    return out
+
+
+def _sharded(layout: BucketLayout, pieces: list[Piece]) -> list[Piece] | str:
+    """Pieces of a tensor-parallel worker: each read from inside one received tensor, no two writing the same
+    bytes (the kernel runs them in any order); or why not."""
+    out, k = [], 0
+    slots = layout.slots
+    for pc in sorted(pieces, key=lambda x: x.src_off):
+        while k < len(slots) and slots[k].offset + slots[k].nbytes <= pc.src_off:
+            k += 1
+        if k == len(slots) or pc.src_off < slots[k].offset or pc.src_off + pc.extents()[0] > slots[k].offset + slots[k].nbytes:
+            return f"{pc.param} is loaded from bytes outside one received tensor"
+        out.append(Piece(pc.src_off, pc.param, pc.dst_off, pc.nbytes, k, pc.rows, pc.src_pitch, pc.dst_pitch))
+    last: dict[str, int] = {}
+    for pc in sorted(out, key=lambda x: (x.param, x.dst_off)):
+        if pc.dst_off < last.get(pc.param, 0):
+            return f"{pc.param} is written twice by the loader"
+        last[pc.param] = pc.dst_off + pc.extents()[1]
+    return out
+
+
+def _record(layout: BucketLayout, buf: torch.Tensor, params: dict[str, torch.Tensor], load_fn,
+            sharded: bool = False) -> BucketPlan | str:
     """Run the loader on one bucket while recording its writes; a plan, or why the bucket cannot have one."""
     storages = {p.untyped_storage().data_ptr(): n for n, p in params.items() if p.numel()}
     rec = _Recorder(storages)
@@ -115,14 +193,20 @@ def _record(layout: BucketLayout, buf: torch.Tensor, params: dict[str, torch.Ten
             return f"{pname} is loaded from a computed tensor, not from the received bytes"
         if src.dtype != dst.dtype or src.shape != dst.shape:
             return f"{pname} is loaded with a dtype or shape conversion"
-        if not (src.is_contiguous() and dst.is_contiguous()):
+        shape = _rows(src, dst)
+        if shape is None or shape[0] > 1 and not sharded:
             return f"{pname} is loaded through a strided view"
-        nbytes = src.numel() * src.element_size()
+        rows, elems, src_stride, dst_stride = shape
+        es = src.element_size()
         p = params[pname]
-        dst_off = dst.data_ptr() - p.data_ptr()
-        if dst_off < 0 or dst_off + nbytes > p.numel() * p.element_size():
+        pc = Piece(src.data_ptr() - base, pname, dst.data_ptr() - p.data_ptr(), elems * es, -1, rows,
+                   src_stride * es, dst_stride * es)
+        src_span, dst_span = pc.extents()
+        if pc.dst_off < 0 or pc.dst_off + dst_span > p.numel() * p.element_size():
             return f"{pname} is written outside its own elements"
-        pieces.append(Piece(src.data_ptr() - base, pname, dst_off, nbytes, -1))
+        if src.data_ptr() + src_span > end:
+            return f"{pname} is loaded from bytes outside the bucket"
+        pieces.append(pc)
     fills = []
     for dst, value in rec.fills:
         pname = rec.storages[dst.untyped_storage().data_ptr()]
@@ -130,34 +214,38 @@ def _record(layout: BucketLayout, buf: torch.Tensor, params: dict[str, torch.Ten
         if not dst.is_contiguous():
             return f"{pname} is filled through a strided view"
         fills.append(Fill(pname, dst.data_ptr() - p.data_ptr(), dst.numel() * dst.element_size(), dst.dtype, value))
-    # Every tensor's bytes covered exactly once, in pieces that keep its 8-byte words whole (checksums add up).
-    pieces.sort(key=lambda x: x.src_off)
-    out, i = [], 0
-    for k, slot in enumerate(layout.slots):
-        pos, stop = slot.offset, slot.offset + slot.nbytes
-        while i < len(pieces) and pieces[i].src_off < stop:
-            pc = pieces[i]
-            if pc.src_off != pos:
-                return f"{slot.name}: bytes {pos}..{pc.src_off} of the bucket are loaded {'twice' if pc.src_off < pos else 'nowhere'}"
-            if (pos - slot.offset) % 8 or (pc.src_off + pc.nbytes != stop and pc.nbytes % 8):
-                return f"{slot.name} is split at a byte offset that is not a multiple of 8"
-            out.append(Piece(pc.src_off, pc.param, pc.dst_off, pc.nbytes, k))
-            pos += pc.nbytes
-            i += 1
-        if pos != stop:
-            return f"{slot.name} is not loaded whole ({pos - slot.offset} of {slot.nbytes} bytes: a sharded engine?)"
-    if i != len(pieces):
-        return "the loader copied bytes from outside the bucket's tensors"
+    out = _whole(layout, pieces)
+    partial = isinstance(out, str) and sharded
+    if partial:
+        out = _sharded(layout, pieces)
+    if isinstance(out, str):
+        return out
     used = {pc.param for pc in out} | {f.param for f in fills}
-    return BucketPlan(out, fills, {n: (tuple(params[n].shape), params[n].dtype) for n in used})
+    return BucketPlan(out, fills, {n: (tuple(params[n].shape), params[n].dtype) for n in used}, partial)
+
+
+class _ShardedRun:
+    """A sharded plan's two passes: the slices copied (their sums unused), then the received tensors checksummed."""
+
+    def __init__(self, copies: CopyPlan, sums: CopyPlan):
+        self.copies, self.sums = copies, sums
+        self.kernel_runs = copies.kernel_runs + sums.kernel_runs
+        self.cacheable = copies.cacheable and sums.cacheable
+
+    def run(self, copy: bool = True, out: torch.Tensor | None = None) -> list[int] | None:
+        if copy:
+            self.copies.run(copy=True, out=torch.zeros(self.copies.n_slots, dtype=torch.int64,
+                                                       device=self.copies.device))
+        return self.sums.run(copy=False, out=out)
 
 
 class LoadReplay:
     """Per receiver: one plan per bucket index, learnt at its first load (see the module doc)."""
 
-    def __init__(self, params: Params, enabled: bool = True):
+    def __init__(self, params: Params, enabled: bool = True, sharded: bool = False):
         self.params = params
         self.enabled = enabled
+        self.sharded = sharded   # a tensor-parallel worker: plans may load part of each tensor
         self.plans: dict[int, BucketPlan | str] = {}
         self._copy_plans = PlanCache()   # by (bucket, buffer), while the parameters stay where they were
 
@@ -173,7 +261,7 @@ class LoadReplay:
         plan = self.plans.get(layout.index)
         params = self.params()
         if plan is None:
-            plan = self.plans[layout.index] = _record(layout, buf, params, load_fn)
+            plan = self.plans[layout.index] = _record(layout, buf, params, load_fn, self.sharded)
             if isinstance(plan, str):
                 logger.info("weight sync: bucket %d loads through the engine's loader: %s", layout.index, plan)
                 return None
@@ -187,6 +275,7 @@ class LoadReplay:
         """Which buckets replay and why the others do not (for tests, benchmarks and logs)."""
         reasons = {i: p for i, p in self.plans.items() if isinstance(p, str)}
         return {"enabled": self.enabled, "replayed": sorted(i for i in self.plans if i not in reasons),
+                "sharded": sorted(i for i, p in self.plans.items() if not isinstance(p, str) and p.sharded),
                 "loader": reasons, "fused_kernel": any(cp.kernel_runs for cp in self._copy_plans.plans())}
 
     @staticmethod
@@ -199,17 +288,30 @@ class LoadReplay:
 
     def _run(self, layout: BucketLayout, plan: BucketPlan, buf: torch.Tensor, params, copy: bool,
              out: torch.Tensor | None) -> list[int] | bool:
-        def build() -> CopyPlan:
+        def build() -> CopyPlan | _ShardedRun:
             bytes_of = {n: as_bytes(params[n]) for n in plan.shapes}
             src = buf.view(torch.uint8)
-            runs = [Run(src[pc.src_off:pc.src_off + pc.nbytes], bytes_of[pc.param][pc.dst_off:pc.dst_off + pc.nbytes],
-                        pc.slot) for pc in plan.pieces]
-            return CopyPlan(runs, len(layout.slots), buf.device)
+            runs = [Run(_span(src, pc.src_off, pc.rows, pc.nbytes, pc.src_pitch),
+                        _span(bytes_of[pc.param], pc.dst_off, pc.rows, pc.nbytes, pc.dst_pitch), pc.slot)
+                    for pc in plan.pieces]
+            copies = CopyPlan(runs, len(layout.slots), buf.device)
+            if not plan.sharded:
+                return copies
+            whole = [Run(src[s.offset:s.offset + s.nbytes], src[s.offset:s.offset + s.nbytes], k)
+                     for k, s in enumerate(layout.slots)]
+            return _ShardedRun(copies, CopyPlan(whole, len(layout.slots), buf.device))
 
         # Keyed by the parameters' addresses: memory that moved (a wake-up) gets a new plan.
         addresses = tuple(params[n].data_ptr() for n in plan.shapes)
         cp = self._copy_plans.get((layout.index, buf.data_ptr()), addresses, build)
-        sums = cp.run(copy=copy, out=out)
+        sums = cp.run(copy=copy, out=out)   # (a sharded plan's recording run did the copies too: its sums pass only)
         for f in plan.fills:
             as_bytes(params[f.param])[f.dst_off:f.dst_off + f.nbytes].view(f.dtype).fill_(f.value)
         return True if out is not None else sums
+
+
+def _span(flat: torch.Tensor, off: int, rows: int, nbytes: int, pitch: int) -> torch.Tensor:
+    """`rows` rows of `nbytes` bytes, `pitch` apart, from byte `off` of a flat uint8 view (1-D for one row)."""
+    if rows == 1:
+        return flat[off:off + nbytes]
+    return flat.as_strided((rows, nbytes), (pitch, 1), flat.storage_offset() + off)

@@ -43,3 +43,26 @@ def test_kernel_equals_the_torch_path_on_random_bytes(seed, monkeypatch):
     assert plan2.kernel_runs == 0 and sums2 == sums
     dsts[3][5] ^= 1
     assert plan.run(copy=False) != sums   # checksum of the destinations: the flipped bit shows
+
+
+def test_kernel_copies_blocks_of_rows_like_the_torch_path(monkeypatch):
+    """A tensor-parallel slice: a block of every row of a matrix (row-parallel) and a block of rows, 2-D runs."""
+    from rlhf_orch.weight_sync import copysum
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(3)
+    full = torch.randint(0, 256, (300, 4096), generator=g, device=dev, dtype=torch.uint8)   # 300 rows of 4 KiB
+
+    def plan_and_run():
+        half = torch.zeros(300, 2048, dtype=torch.uint8, device=dev)
+        top = torch.zeros(100, 4096, dtype=torch.uint8, device=dev)
+        runs = [copysum.Run(full[:, 2048:], half, 0), copysum.Run(full[100:200], top, 1)]
+        plan = copysum.CopyPlan(runs, 2, dev)
+        return plan, plan.run(), half, top
+
+    plan, sums, half, top = plan_and_run()
+    assert plan.kernel_runs == 2 and not plan.slow and plan.desc.shape[0] == 300 + 100
+    assert torch.equal(half, full[:, 2048:]) and torch.equal(top, full[100:200])
+    monkeypatch.setenv("RLHF_ORCH_COPYSUM", "torch")
+    monkeypatch.setattr(copysum, "_kernel", None)
+    plan2, sums2, half2, top2 = plan_and_run()
+    assert plan2.kernel_runs == 0 and sums2 == sums and torch.equal(half2, half) and torch.equal(top2, top)

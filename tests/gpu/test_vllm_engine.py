@@ -5,6 +5,7 @@ weights refilled after level 2. Needs vLLM 0.26.0 (staged on the device).
 
     python -m pytest -q -m gpu tests/gpu/test_vllm_engine.py
 """
+import os
 import threading
 
 import pytest
@@ -14,6 +15,9 @@ from engine_contract import named_weights, reference_logprobs, run_contract, run
 
 pytestmark = pytest.mark.gpu
 vllm = pytest.importorskip("vllm")
+# Spawn, not fork: a test before these may have made a CUDA context in this process (a forked engine core then
+# fails with "CUDA error: initialization error", as on 2026-11-27 after tests/gpu/test_vllm_streaming.py).
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 SPEC = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 

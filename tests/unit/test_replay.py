@@ -190,3 +190,92 @@ def test_a_loader_of_one_multi_tensor_copy_is_replayed_too():
         assert replay.load(layouts[0], buf, load) == checksums([w["a"], w["b"]])
         assert torch.equal(params["a"], w["a"]) and torch.equal(params["b"], w["b"])
     assert len(calls) == 1
+
+
+class TPShard(torch.nn.Module):
+    """One worker of a tensor-parallel engine, loading as vLLM's layers do: a column-parallel fused qkv (a block of
+    each received tensor's rows into a slice of its parameter), a row-parallel o (a block of every row: a strided
+    view), a vocab-parallel embedding (its rows, the padding filled), a replicated norm (whole)."""
+
+    def __init__(self, rank: int, world: int = 2):
+        super().__init__()
+        self.rank, self.world, self.calls = rank, world, 0
+        q, kv, v = Q // world, KV // world, PAD_VOCAB // world
+        self.qkv = torch.nn.Parameter(torch.full((q + 2 * kv, HID), float("nan")), requires_grad=False)
+        self.o = torch.nn.Parameter(torch.full((HID, HID // world), float("nan")), requires_grad=False)
+        self.emb = torch.nn.Parameter(torch.full((v, HID), float("nan")), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.full((HID,), float("nan")), requires_grad=False)
+
+    def load_weights(self, named):
+        self.calls += 1
+        r, w = self.rank, self.world
+        q, kv = Q // w, KV // w
+        offsets = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
+        with torch.no_grad():
+            for name, t in named:
+                if name in offsets:
+                    start, rows = offsets[name]
+                    self.qkv.data.narrow(0, start, rows).copy_(t.narrow(0, r * rows, rows))
+                elif name == "o":
+                    cols = HID // w
+                    self.o.data.copy_(t.narrow(1, r * cols, cols))
+                elif name == "emb":
+                    per = PAD_VOCAB // w
+                    lo, hi = r * per, min((r + 1) * per, t.shape[0])
+                    self.emb[:hi - lo].data.copy_(t[lo:hi])
+                    self.emb[hi - lo:].data.fill_(0)
+                elif name == "norm":
+                    self.norm.data.copy_(t)
+
+
+def _tp_specs():
+    return _specs() + [ParamSpec("o", "float32", (HID, HID))]
+
+
+@pytest.mark.parametrize("bucket_bytes", [10_000, 400])
+def test_tensor_parallel_workers_replay_their_slices_and_checksum_the_received_tensors(bucket_bytes):
+    layouts = plan_buckets(_tp_specs(), bucket_bytes)
+    names = [s.name for lay in layouts for s in lay.slots]
+    for rank in range(2):
+        bufs = [torch.zeros(max(lay.nbytes for lay in layouts), dtype=torch.uint8) for _ in range(2)]
+        model, twin = TPShard(rank), TPShard(rank)   # the twin always loads through its loader
+        replay = LoadReplay(lambda: dict(model.named_parameters()), sharded=True)
+        for step in range(3):
+            w = {**_weights(step), "o": torch.randn(HID, HID, generator=torch.Generator().manual_seed(50 + step))}
+            calls = model.calls
+            sums = _sync(replay, model, layouts, bufs, w)
+            twin.load_weights(list(w.items()))
+            for (n, p), (_, want) in zip(model.named_parameters(), twin.named_parameters()):
+                assert torch.equal(p, want), (rank, step, n)
+            assert sums == checksums(w[n] for n in names), (rank, step)   # of the whole tensors received
+            assert model.calls - calls == (len(layouts) if step == 0 else 0)
+        status = replay.status()
+        assert status["loader"] == {} and status["sharded"] and set(status["sharded"]) <= set(status["replayed"])
+
+
+def test_without_sharding_a_tensor_parallel_loader_stays_on_the_loader():
+    layouts = plan_buckets(_tp_specs(), 10_000)
+    bufs = [torch.zeros(layouts[0].nbytes, dtype=torch.uint8) for _ in range(2)]
+    model = TPShard(1)
+    replay = LoadReplay(lambda: dict(model.named_parameters()))
+    for step in range(2):
+        w = {**_weights(step), "o": torch.randn(HID, HID)}
+        assert _sync(replay, model, layouts, bufs, w) == [None] * 6
+    assert model.calls == 2 and "strided view" in replay.status()["loader"][0]
+
+
+def test_a_sharded_plan_refuses_writes_that_overlap():
+    layouts = plan_buckets(_tp_specs(), 10_000)
+    buf = torch.zeros(layouts[0].nbytes, dtype=torch.uint8)
+    model = TPShard(0)
+
+    def twice(named):
+        model.load_weights(named)
+        t = dict(named)["norm"]
+        model.qkv.data[0].copy_(t)   # the first row of q written again, from another tensor
+
+    replay = LoadReplay(lambda: dict(model.named_parameters()), sharded=True)
+    w = {**_weights(0), "o": torch.randn(HID, HID)}
+    pack(layouts[0], [w[s.name] for s in layouts[0].slots], buf)
+    assert replay.load(layouts[0], buf, twice) is None
+    assert "written twice" in replay.status()["loader"][0]
