@@ -61,7 +61,8 @@ class Cluster(EngineRecovery):
         self.references = self.critics = None   # separate role groups (actors/roles.py), when configured
         self.rollouts, self.final_ledger = None, {}
         self.faults: list[dict] = []        # engine faults and what was done about them (summary.json)
-        self.unadmitted: list[str] = []     # replacements started, waiting for their first verified sync
+        self.starting: dict = {}            # replacements not up yet: name -> (actor, its device_ids ref)
+        self.unadmitted: list[str] = []     # replacements up, waiting for their first verified sync
         self.ready: list[str] = []          # replacements synced and verified, to be given work at the next batch
         self.boundary_rngs: dict | None = None   # engines' sampling RNGs after the last completed step (step_boundary)
         self._rng_capable = True
@@ -215,7 +216,7 @@ class Cluster(EngineRecovery):
                 self.served_step, self.boundary_state = step, meta["state"]
                 break
             logger.warning("no live engine for step %d (dead: %s): replacing now", step, meta["need_engines"])
-            self.replace_dead_engines()       # before any hand-over: the dead engine must not be asked to sleep
+            self.replace_dead_engines(wait=True)   # before any hand-over: the dead one must not be asked to sleep
             self.colocation.to_train()        # colocated: the trainer's weights must be on its device to send
             self.sync(step - 1, resync=True)
             self.colocation.to_generate()
@@ -402,7 +403,8 @@ class Cluster(EngineRecovery):
             except Exception as e:   # a dead actor cannot shut down cleanly; killing it below is enough
                 logger.warning("clean shutdown of %s failed: %s", what, e)
         references = self.references.actors if self.references is not None else []
-        for a in [*self.engines.values(), *trainers, *critics, *references, *self.rewarders,
+        starting = [a for a, _ in self.starting.values()]   # replacements still starting
+        for a in [*self.engines.values(), *starting, *trainers, *critics, *references, *self.rewarders,
                   *([self.coordinator] if self.coordinator else [])]:
             ray.kill(a)
 

@@ -34,10 +34,10 @@ logger = logging.getLogger(__name__)
 
 
 class EngineRecovery:
-    """Needs from the Cluster: cfg, env, trainers, engines, rewarders, slots, sampling, colocation, coordinator,
-    rollouts, timeout, sync_timeout, plan, timeline, faults, unadmitted, ready, engine_restarts, coordinator_restarts,
-    manager_restarts, served_step, boundary_state, boundary_rngs, ledger_base, final_ledger, _manager_args,
-    _manager_plan, _rget and _make_engine."""
+    """Needs from the Cluster: cfg, env, trainers, engines, starting, rewarders, slots, sampling, colocation,
+    coordinator, rollouts, timeout, sync_timeout, plan, timeline, faults, unadmitted, ready, engine_restarts,
+    coordinator_restarts, manager_restarts, served_step, boundary_state, boundary_rngs, ledger_base, final_ledger,
+    _manager_args, _manager_plan, _rget and _make_engine."""
 
     def _engines_died(self, err: Exception, phase: str) -> bool:
         """After a failed hand-over or sync: find the dead engines (a short health check each), tell the manager (it
@@ -190,14 +190,18 @@ class EngineRecovery:
                 dead[n] = f"no answer to a health check after {phase} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         return dead
 
-    def replace_dead_engines(self) -> list[str]:
+    def replace_dead_engines(self, wait: bool = False) -> list[str]:
         """Start a replacement on the same placement bundle for every engine the manager declared dead (while
         fault_tolerance.max_engine_restarts lasts), and re-plan the weight sync with every live engine. Returns the
-        replacements' names; they take work only after a verified sync (`_synced_replacements`, `admit_ready`)."""
+        names of the replacements that joined; they take work only after a verified sync (`_synced_replacements`,
+        `admit_ready`).
+
+        A dedicated replacement starts beside the engines still serving: the run goes on with them (the sync re-planned
+        without the dead one) and the replacement joins at the first sync after it is up (vLLM takes ~50 s to
+        start). The driver waits for it with `wait`, when no engine is left, for a colocated one (it needs the GPU
+        memory the trainers give up for its start), or with fault_tolerance.replacement_start "wait"."""
         dead = self._manager("take_dead")
-        if not dead:
-            return []
-        ft, new = self.cfg.fault_tolerance, []
+        ft, replan = self.cfg.fault_tolerance, bool(dead)
         # A colocated replacement needs the GPU memory the trainers hold in the train phase (colocation.make_room).
         coloc = any(self.slots[n]["ecfg"].placement == "colocated" for n in dead if n in self.slots)
         moved = self.colocation.make_room() if coloc and ft.max_engine_restarts > self.engine_restarts else False
@@ -216,24 +220,40 @@ class EngineRecovery:
             self.slots[new_name] = slot
             self.sampling[new_name] = self.sampling[name]
             entry["replacement_t"] = time.time()   # when the replacement was asked for
-            self.engines[new_name] = self._make_engine(new_name, self.engine_restarts)
-            self.unadmitted.append(new_name)
-            if slot["ecfg"].sleep_level:
-                self.colocation.sleep_levels[new_name] = slot["ecfg"].sleep_level
+            actor = self._make_engine(new_name, self.engine_restarts)
+            self.starting[new_name] = (actor, actor.device_ids.remote())
             entry["replacement"] = new_name
-            new.append(new_name)
-        if not self.engines:
+        if not self.engines and not self.starting:
             raise EngineError(f"every engine is dead and fault_tolerance.max_engine_restarts="
                               f"{ft.max_engine_restarts} is spent; last fault: {self.faults[-1]['engine']} "
                               f"({self.faults[-1]['cause']})")
-        get([self.engines[n].device_ids.remote() for n in new], self.timeout, f"replacement engines {new} to start",
-            EngineError)
+        new = self._started(wait or coloc or not self.engines or ft.replacement_start == "wait")
         if moved:
             self.colocation.take_back()
+        if not (replan or new):
+            return []
         info = get(self.coordinator.reconfigure.remote(self.engines), self.sync_timeout,
                    "weight-sync re-plan with the replacement engines", WeightSyncError)
         self.plan = info["plan"]
-        logger.info("replacement engine(s) %s up; weight sync re-planned: %s", new, self.plan)
+        logger.info("weight sync re-planned: %s%s%s", self.plan, f"; replacement engine(s) {new} up" if new else "",
+                    f"; still starting: {sorted(self.starting)}" if self.starting else "")
+        return new
+
+    def _started(self, wait: bool) -> list[str]:
+        """Replacements that are up (all of them, waiting, with `wait`) move from `starting` to the live engines."""
+        if not self.starting:
+            return []
+        refs = {ref: name for name, (_, ref) in self.starting.items()}
+        up = list(refs) if wait else ray.wait(list(refs), num_returns=len(refs), timeout=0)[0]
+        if not up:
+            return []
+        new = [refs[r] for r in up]
+        get(up, self.timeout, f"replacement engines {new} to start", EngineError)
+        for name in new:
+            self.engines[name] = self.starting.pop(name)[0]
+            self.unadmitted.append(name)
+            if self.slots[name]["ecfg"].sleep_level:
+                self.colocation.sleep_levels[name] = self.slots[name]["ecfg"].sleep_level
         return new
 
     def _synced_replacements(self, sync_out: dict) -> dict[str, float]:

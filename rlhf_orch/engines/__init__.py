@@ -41,7 +41,7 @@ _NOT_ENGINE_ARGS = {"name", "count", "placement", "sampling", "kind", "sleep_lev
 # are not part of the user's config: tests set them in the driver's environment, per engine entry of the config,
 #   RLHF_ORCH_TEST_HOOKS='{"engines.1": {"decode_delay_s": 0.02, "sync_delay_s": 1.0, "stepwise_sync": true}}'
 HOOKS_ENV = "RLHF_ORCH_TEST_HOOKS"
-HF_HOOKS = {"decode_delay_s": float, "stepwise_sync": bool, "sync_delay_s": float}
+HF_HOOKS = {"decode_delay_s": float, "stepwise_sync": bool, "sync_delay_s": float, "start_delay_s": float}
 
 
 def hooks_from_env(entry: int) -> dict:

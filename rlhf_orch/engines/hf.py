@@ -47,8 +47,11 @@ def _cache_of(out):
 class HFEngine(EngineLifecycle):
     def __init__(self, name: str, model_path: str, device: str = "cpu", dtype: str = "float32",
                  device_id: str = "", max_batch_size: int = 256, seed: int = 0, decode_delay_s: float = 0.0,
-                 stepwise_sync: bool = False, sync_delay_s: float = 0.0):
+                 stepwise_sync: bool = False, sync_delay_s: float = 0.0, start_delay_s: float = 0.0):
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if start_delay_s:
+            time.sleep(start_delay_s)   # test hook: a slow start (vLLM takes ~50 s), for a replacement's
 
         self.name = name
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)

@@ -1,10 +1,12 @@
 """Engine faults through real Ray actors and real process deaths (two hf engines, two DeepSpeed ranks).
 
 - SIGKILL the dedicated engine's process at step ~10 of 40: its groups go back to the queue, the colocated engine
-  serves them, a replacement starts on the same bundle, joins a re-planned broadcast group, gets the weights
-  (its first sync verified) and takes work. The run finishes all 40 steps, every prompt trained exactly once.
+  serves them, a replacement starts on the same bundle (slowly, as vLLM does: a test hook) while the run goes on
+  with the survivor, joins a re-planned broadcast group once up, gets the weights (its first sync verified) and
+  takes work. The run finishes all 40 steps, every prompt trained exactly once.
 - SIGSTOP it instead (a frozen process: it answers nothing): the health check declares it hung within
-  fault_tolerance.engine_stall_s, kills it and replaces it.
+  fault_tolerance.engine_stall_s, kills it and replaces it. This test and the two that follow its replacement's
+  first sync or its own hang run with fault_tolerance.replacement_start=wait (the step waits for the replacement).
 - SIGKILL each kind of sync member in the middle of a weight sync (a test hook makes each bucket's load slow): the
   colocated engine, the dedicated engine, trainer rank 0. The others abandon the sync at once (issue #33), the
   driver replaces the engine and syncs again, or restarts the run for the trainer, and the run finishes.
@@ -79,7 +81,9 @@ def _check_run(run: Path, steps: int, prompts: int = 16, overlapped: bool = Fals
     return records, summary
 
 
-def test_killed_engine_is_replaced_resynced_and_nothing_is_lost(tmp_path):
+def test_killed_engine_is_replaced_resynced_and_nothing_is_lost(tmp_path, monkeypatch):
+    # The dedicated engine (and so its replacement) starts 3 s slower, the survivor serves steps of ~0.3 s alone.
+    set_engine_hooks(monkeypatch, {"decode_delay_s": 0.05}, {**SLOW, "start_delay_s": 3.0})
     run = tmp_path / "kill"
     info = {}
     killer = _fault_at(run, 10, signal.SIGKILL, "-engine-dedicated", info)
@@ -93,6 +97,9 @@ def test_killed_engine_is_replaced_resynced_and_nothing_is_lost(tmp_path):
     assert fault["first_sync_verified"] is True and 0 < fault["recovery_s"] < 120
     assert "died" in fault["cause"]
     assert records[-1]["fault/engine_restarts"] == 1 and records[-1]["fault/engines_live"] == 2
+    # The steps went on with the survivor alone while the replacement started (they did not wait for it).
+    alone = [r["step"] for r in records if r["fault/engines_live"] == 1]
+    assert len(alone) >= 2 and alone == list(range(alone[0], alone[-1] + 1)) and alone[-1] < 40, alone
     assert summary["verified_syncs"] == summary["syncs"]
     # the replacement took work after its verified sync; the dead engine's last span is before its death
     events = [json.loads(l) for l in (run / "timeline.jsonl").read_text().splitlines()]
@@ -106,7 +113,7 @@ def test_frozen_engine_is_declared_hung_and_replaced(tmp_path):
     freezer = _fault_at(run, 5, signal.SIGSTOP, "-engine-dedicated", info)
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                       "experiment.name=hang", "experiment.steps=12", "fault_tolerance.engine_stall_s=4",
-                      "fault_tolerance.health_interval_s=0.5", *COMMON])
+                      "fault_tolerance.health_interval_s=0.5", "fault_tolerance.replacement_start=wait", *COMMON])
     freezer.join(timeout=5)
     assert rc == 0 and "pid" in info, info
     records, summary = _check_run(run, 12)
@@ -150,7 +157,7 @@ def test_engine_without_progress_is_declared_hung_and_restarts_are_bounded(tmp_p
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                       "experiment.name=slow", "experiment.steps=4", "fault_tolerance.engine_stall_s=3",
                       "fault_tolerance.health_interval_s=0.5", "fault_tolerance.max_engine_restarts=1",
-                      *COMMON])
+                      "fault_tolerance.replacement_start=wait", *COMMON])
     assert rc == 0
     records, summary = _check_run(run, 4)
     assert [(f["engine"], f["replacement"]) for f in summary["faults"]] == [("dedicated", "dedicated.r1"),
@@ -210,7 +217,7 @@ def test_an_engine_killed_during_an_overlapped_sync_is_replaced_from_the_staged_
     set_engine_hooks(monkeypatch, SLOW, {**SLOW, "sync_delay_s": 1.0})   # the dedicated engine syncs slowly
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                       "experiment.name=overlap_kill", "experiment.steps=8", "rollout.max_staleness=1",
-                      "metrics.plots=false", *COMMON])
+                      "metrics.plots=false", "fault_tolerance.replacement_start=wait", *COMMON])
     killer.join(timeout=5)
     assert rc == 0 and len(info) == 2 and all("pid" in i for i in info), info
     _, summary = _check_run(run, 8, overlapped=True)
