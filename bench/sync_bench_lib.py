@@ -282,10 +282,19 @@ class HostState:
                 p.kill()
 
 
+def visible_gpus(gpus: str, parent: str | None) -> str:
+    """The host's CUDA_VISIBLE_DEVICES for `gpus`, indices into the GPUs this benchmark sees (`parent`, the
+    inherited CUDA_VISIBLE_DEVICES, if set): with CUDA_VISIBLE_DEVICES=3, host GPU "0" is GPU 3, not GPU 0."""
+    if not parent:
+        return gpus
+    seen = [g.strip() for g in parent.split(",") if g.strip()]
+    return ",".join(seen[int(g)] for g in gpus.split(","))
+
+
 def host_main(conn, gpus: str, device: str, slot: str) -> None:
     if device == "cuda":
         assert not torch.cuda.is_initialized(), "CUDA_VISIBLE_DEVICES must be set before CUDA starts"
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
         torch.cuda.set_device(0)
     st = HostState(torch.device("cuda", 0) if device == "cuda" else torch.device("cpu"), slot)
     while True:
