@@ -12,7 +12,6 @@ YAML `rlhf-orch print-config` shows. Nothing here starts Ray or touches a device
 from __future__ import annotations
 
 import difflib
-import inspect
 import types
 from pathlib import Path
 from typing import Annotated, Any, Union, get_args, get_origin
@@ -22,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from rlhf_orch.config.schema import ENGINE_KINDS, ExperimentConfig
 from rlhf_orch.errors import ConfigError, RewardError
+from rlhf_orch.rewards import NO_FUNCTION, is_dense, load_reward_fn
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
@@ -41,7 +41,6 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise ConfigError(problems + format_validation_error(e, raw)) from None
     try:
         fn = load_reward_fn(cfg.reward.function)
-        from rlhf_orch.rewards import NO_FUNCTION, is_dense
         if is_dense(fn):
             cfg.reward.dense = True      # decorated: every part of the run (manager, workers, checks) reads the field
         if cfg.reward.dense and cfg.reward.function == NO_FUNCTION:
@@ -343,26 +342,3 @@ def _raw_at(raw: Any, parts: list[str]) -> Any:
         else:
             return None
     return node
-
-
-def load_reward_fn(path: str):
-    """Import `package.module:function` and check it can be called as fn(response, row)."""
-    import importlib
-
-    mod_name, sep, fn_name = path.partition(":")
-    if not sep or not mod_name or not fn_name:
-        raise RewardError(f"{path!r} is not of the form 'package.module:function'")
-    try:
-        mod = importlib.import_module(mod_name)
-    except Exception as e:  # any import-time failure of user code is a config problem
-        raise RewardError(f"cannot import module {mod_name!r} ({type(e).__name__}: {e}); check the path and that it is on PYTHONPATH") from None
-    fn = getattr(mod, fn_name, None)
-    if fn is None or not callable(fn):
-        raise RewardError(f"module {mod_name!r} has no function {fn_name!r}")
-    try:
-        inspect.signature(fn).bind("response", {"prompt": "p"})
-    except TypeError:
-        raise RewardError(f"{path} must accept (response: str, row: dict) and return a float") from None
-    except ValueError:
-        pass  # builtins without a signature: trust them
-    return fn

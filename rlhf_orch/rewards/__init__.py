@@ -15,6 +15,10 @@ length. Token-level algorithms (ppo, reinforce_pp_gamma) use each token's value;
 reinforce_pp) use their sum, as verl's outcome estimators sum its token-level rewards.
 
 Importing this package imports neither torch nor transformers (the config loader imports it)."""
+import importlib
+import inspect
+
+from rlhf_orch.errors import RewardError
 
 # `reward.function: null` (or "") is stored as this path, so the config always names an importable function;
 # the scorer recognises it and calls nothing (the reward is then the model's alone).
@@ -62,5 +66,26 @@ def with_response_ids(row: dict, response_ids) -> dict:
     return {**row, "response_ids": list(response_ids)}
 
 
-__all__ = ["BATCHED_ATTR", "DENSE_ATTR", "NO_FUNCTION", "batched", "dense", "is_batched", "is_dense", "no_function",
-           "with_response_ids"]
+def load_reward_fn(path: str):
+    """Import `package.module:function` and check it can be called as fn(response, row)."""
+    mod_name, sep, fn_name = path.partition(":")
+    if not sep or not mod_name or not fn_name:
+        raise RewardError(f"{path!r} is not of the form 'package.module:function'")
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # any import-time failure of user code is a config problem
+        raise RewardError(f"cannot import module {mod_name!r} ({type(e).__name__}: {e}); check the path and that it is on PYTHONPATH") from None
+    fn = getattr(mod, fn_name, None)
+    if fn is None or not callable(fn):
+        raise RewardError(f"module {mod_name!r} has no function {fn_name!r}")
+    try:
+        inspect.signature(fn).bind("response", {"prompt": "p"})
+    except TypeError:
+        raise RewardError(f"{path} must accept (response: str, row: dict) and return a float") from None
+    except ValueError:
+        pass  # builtins without a signature: trust them
+    return fn
+
+
+__all__ = ["BATCHED_ATTR", "DENSE_ATTR", "NO_FUNCTION", "batched", "dense", "is_batched", "is_dense",
+           "load_reward_fn", "no_function", "with_response_ids"]

@@ -20,7 +20,7 @@ import copy
 import random
 
 from rlhf_orch.errors import RewardError
-from rlhf_orch.rewards import NO_FUNCTION, with_response_ids
+from rlhf_orch.rewards import NO_FUNCTION, load_reward_fn, with_response_ids
 from rlhf_orch.rewards.calls import RewardFunction
 
 DUMMY_RESPONSES = ("", "The answer is 42.")
@@ -34,8 +34,6 @@ def check_reward_function(reward, rows: list[dict], tokenize=None) -> None:
     path = reward.function
     if not path or path == NO_FUNCTION or not rows:
         return
-    from rlhf_orch.config import load_reward_fn
-
     dense = bool(getattr(reward, "dense", False))
     call = RewardFunction(load_reward_fn(path), path, reward.batch, reward.timeout_s, dense)
     picked = [rows[i % len(rows)] for i in range(len(DUMMY_RESPONSES))]   # one row twice if there is only one

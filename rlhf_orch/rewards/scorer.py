@@ -18,15 +18,13 @@ hosts a RewardScorer.
 from __future__ import annotations
 
 from rlhf_orch.errors import RewardError
-from rlhf_orch.rewards import NO_FUNCTION
+from rlhf_orch.rewards import NO_FUNCTION, load_reward_fn
 from rlhf_orch.rewards.calls import RewardFunction
 
 
 class RewardScorer:
     def __init__(self, function: str | None, model=None, function_weight: float = 1.0, model_weight: float = 1.0,
                  batch: bool = False, timeout_s: float | None = None, dense: bool = False):
-        from rlhf_orch.config import load_reward_fn
-
         self.path = function if function and function != NO_FUNCTION else None
         self.fn = load_reward_fn(self.path) if self.path else None
         self.call = RewardFunction(self.fn, self.path, batch, timeout_s, dense) if self.fn is not None else None
