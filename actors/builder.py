@@ -123,9 +123,12 @@ class Cluster(EngineRecovery):
                 sleep_levels[ename] = ecfg.sleep_level
         # builds builtin:tiny-rm first; a GPU only for reward.device cuda; the manager replaces one that dies
         self.rewarders, reward_workers = start_reward_workers(cfg, name, env)
-        # Engines first: vLLM sizes its memory from what is free when it starts, and a colocated trainer
-        # allocating meanwhile would skew that; then colocated engines sleep while the trainer starts.
+        # Engines first where they share GPUs with trainer ranks: vLLM sizes its memory from what is free when it
+        # starts, and a colocated trainer allocating meanwhile would skew that; then colocated engines sleep while
+        # the trainer starts. Elsewhere (CPU, or dedicated engines only) the ranks start beside the engines.
         t0 = time.perf_counter()
+        together = device == "cpu" or all(e.placement == "dedicated" for e in cfg.engines)
+        trainers_starting = self.trainers.init_async(model_path, cfg) if together else None
 
         def stage(what: str) -> None:   # the minutes of a cluster's start are not silent
             logger.info("%s (%.0f s since Ray was up)", what, time.perf_counter() - t0)
@@ -133,7 +136,7 @@ class Cluster(EngineRecovery):
         stage(f"engines up: {', '.join(self.engines)}")
         self.colocation = Colocation(self.trainers, self.engines, sleep_levels, cfg.trainer.offload, device, self.timeout)
         self.colocation.start()
-        self.trainers.init(model_path, cfg)   # each rank builds its model from the typed config
+        self.trainers.init(model_path, cfg, trainers_starting)   # each rank builds its model from the typed config
         stage(f"{cfg.trainer.num_ranks} trainer rank(s) up (DeepSpeed ZeRO-{cfg.trainer.zero_stage})")
         # A separate reference loads at snapshot_reference; a separate critic now.
         self.references, self.critics = start_role_groups(cfg, name, env, self.timeout, model_path)

@@ -285,10 +285,14 @@ class TrainerGroup:
     def _all(self, what: str, method: str, *args):
         return get([getattr(a, method).remote(*args) for a in self.actors], self.timeout_s, what, TrainerError)
 
-    def init(self, model_path: str, cfg: ExperimentConfig) -> list[str]:
-        addr, port = get(self.actors[0].node_address.remote(), self.timeout_s, "trainer rank 0", TrainerError)
-        refs = [a.init.remote(addr, port, model_path, cfg) for a in self.actors]
+    def init(self, model_path: str, cfg: ExperimentConfig, refs: list | None = None) -> list[str]:
+        """Every rank builds its model and DeepSpeed engine; waits for `refs` of an earlier `init_async` if given."""
+        refs = self.init_async(model_path, cfg) if refs is None else refs
         return get(refs, self.timeout_s, "trainer ranks to initialise DeepSpeed", TrainerError)
+
+    def init_async(self, model_path: str, cfg: ExperimentConfig) -> list:
+        addr, port = get(self.actors[0].node_address.remote(), self.timeout_s, "trainer rank 0", TrainerError)
+        return [a.init.remote(addr, port, model_path, cfg) for a in self.actors]
 
     def logprobs(self, batch: TrainBatch):
         import torch

@@ -10,15 +10,7 @@
 set -uo pipefail
 RLHF_ORCH_LOG_LEVEL=INFO; . bench/device/env.sh
 git log -1 --format='code: %h %s' 2>/dev/null; git status --short 2>/dev/null | head -5
-# B1 (env.sh) is issue #12's 1B shape; B8 Llama-3.1-8B's layers with the built-in tokenizer's small vocabulary.
 B1+=(metrics.plots=false metrics.ray_metrics=false trainer.export_hf=false trainer.checkpoint_every_minutes=0)
-B8=(model.tiny.hidden_size=4096 model.tiny.intermediate_size=14336 model.tiny.num_hidden_layers=32
-    model.tiny.num_attention_heads=32 model.tiny.num_key_value_heads=8 model.tiny.max_position_embeddings=1100
-    trainer.bf16=true trainer.warm_start_steps=0 weight_sync.bucket_size_mb=512 metrics.plots=false
-    metrics.ray_metrics=false trainer.export_hf=false trainer.checkpoint_every_minutes=0)
-keep() {   # name, run dir: its metrics, summary and timeline in one tar
-  tar czf "$OUT/$1.tgz" -C "$2" $(cd "$2" && ls metrics.jsonl summary.json timeline.jsonl 2>/dev/null) 2>/dev/null
-}
 case "${1:-}" in
   pair)
     ( CUDA_VISIBLE_DEVICES=0,1 timeout -k 20 "${ASYNC_TIMEOUT:-545}" python3 bench/async_rl.py --steps "${STEPS:-3}" \

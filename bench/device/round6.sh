@@ -15,13 +15,6 @@ set -uo pipefail
 RLHF_ORCH_LOG_LEVEL=INFO; . bench/device/env.sh
 git log -1 --format='code: %h %s' 2>/dev/null; git status --short 2>/dev/null | head -5
 B1+=(metrics.plots=false metrics.ray_metrics=false trainer.export_hf=false trainer.checkpoint_every_minutes=0)
-B8=(model.tiny.hidden_size=4096 model.tiny.intermediate_size=14336 model.tiny.num_hidden_layers=32
-    model.tiny.num_attention_heads=32 model.tiny.num_key_value_heads=8 model.tiny.max_position_embeddings=1100
-    trainer.bf16=true trainer.warm_start_steps=0 weight_sync.bucket_size_mb=512 metrics.plots=false
-    metrics.ray_metrics=false trainer.export_hf=false trainer.checkpoint_every_minutes=0)
-keep() {   # name, run dir: its metrics, summary and timeline in one tar
-  tar czf "$OUT/$1.tgz" -C "$2" $(cd "$2" && ls metrics.jsonl summary.json timeline.jsonl 2>/dev/null) 2>/dev/null
-}
 stacks() {  # py-spy stacks of every Ray worker and the driver, into $OUT/$1
   for pid in $(pgrep -f "ray::|launch.py|engine_fault.py"); do
     echo "=== pid $pid: $(tr '\0' ' ' < /proc/$pid/cmdline | cut -c1-120)"
