@@ -18,7 +18,11 @@ import dataclasses
 import logging
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
+from rlhf_orch.data.dataset import load_rows
+from rlhf_orch.data.prepare import _answer_needed_by, prepare_rows, token_problems
+from rlhf_orch.data.rows import DataSpec
 from rlhf_orch.engines.base import SamplingParams
 from rlhf_orch.errors import DataError
 
@@ -144,12 +148,6 @@ def eval_source(cfg) -> tuple[str, list[str | None]]:
 def eval_rows(cfg, tokenizer) -> tuple[list[dict], str]:
     """The evaluation rows (checked like training rows) and a label of where they came from; DataError naming the
     eval field and the fix."""
-    from pathlib import Path
-
-    from rlhf_orch.data.dataset import load_rows
-    from rlhf_orch.data.prepare import _answer_needed_by, prepare_rows
-    from rlhf_orch.data.rows import DataSpec
-
     source, splits = eval_source(cfg)
     if splits == [None]:
         return load_rows(source, cfg.data.max_operand, cfg.experiment.seed), source
@@ -177,8 +175,6 @@ def eval_rows(cfg, tokenizer) -> tuple[list[dict], str]:
 
 def eval_set_for(cfg, tokenizer) -> EvalSet | None:
     """The run's EvalSet, or None when evaluation is off. Raises DataError (every problem at once) before Ray."""
-    from rlhf_orch.data.prepare import token_problems
-
     e = cfg.eval
     if not e.enabled:
         return None

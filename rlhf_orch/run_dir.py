@@ -29,6 +29,8 @@ import socket
 import time
 from pathlib import Path
 
+from rlhf_orch.config.loader import apply_override, read_yaml
+from rlhf_orch.config.schema import ExperimentSection
 from rlhf_orch.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -80,8 +82,6 @@ def job_output_override(config_path, overrides: list[str], env: dict, cwd: str) 
     """(an `experiment.output_dir=...` override to append, why) before the config is loaded: loading creates the
     output folder (config/checks.py), which must not happen in Ray's copy of the working dir. (None, None) when
     nothing changes; problems in the file or overrides are left to load_config to report."""
-    from rlhf_orch.config.loader import apply_override, read_yaml
-    from rlhf_orch.config.schema import ExperimentSection
     job = ray_job_id(env, cwd)
     if job is None:
         return None, None

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlhf_orch.algorithms.advantages import whiten_mean_var, whiten_stats
 from rlhf_orch.errors import ConfigError
 
 # Bound on |log-ratio| before exp: exp(20) ~ 5e8 is finite in float32 and far beyond any clip
@@ -424,7 +425,6 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor, allreduce=
     verl. The variances come from sums (advantages.whiten_stats): with `allreduce` (a function that
     sums a small tensor over the data-parallel ranks) they are the whole batch's however it is split.
     """
-    from rlhf_orch.algorithms.advantages import whiten_mean_var, whiten_stats
     stats = torch.stack([*whiten_stats(returns, mask), *whiten_stats(returns - values, mask)])
     if allreduce is not None:
         stats = allreduce(stats)

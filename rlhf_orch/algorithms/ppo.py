@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from rlhf_orch.algorithms.advantages import gae_advantages, whiten_over_ranks
 from rlhf_orch.algorithms.base import Algorithm, register
 
 
@@ -55,7 +56,6 @@ class PPO(Algorithm):
                          allreduce: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor, dict[str, float]]:
         """(whitened advantages [B, T], returns [B, T], metrics) of one rank's shard; `allreduce` sums a small
         tensor over the ranks (identity with one rank)."""
-        from rlhf_orch.algorithms.advantages import gae_advantages, whiten_over_ranks
         adv, returns = gae_advantages(token_rewards(rewards, mask), values, mask, self.gamma, self.lam)
         adv, mean, var = whiten_over_ranks(adv, mask, allreduce)
         return adv, returns, {"ppo/adv_raw_mean": float(mean), "ppo/adv_raw_std": float(var) ** 0.5}

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from rlhf_orch.algorithms.advantages import discounted_returns, whiten_over_ranks
 from rlhf_orch.algorithms.base import Algorithm, register
+from rlhf_orch.algorithms.losses import masked_extrema
 from rlhf_orch.algorithms.ppo import token_rewards
 
 
@@ -24,8 +26,6 @@ class ReinforcePP(Algorithm):
         return self.zeros(rewards)   # per token, on the trainer ranks
 
     def token_advantages(self, rewards, values, mask, allreduce):
-        from rlhf_orch.algorithms.advantages import discounted_returns, whiten_over_ranks
-        from rlhf_orch.algorithms.losses import masked_extrema
         # advantages.reinforce_pp_returns on one batch; here the whitening statistics are the whole step's.
         returns = discounted_returns(token_rewards(rewards, mask), mask, float(self.s.get("gamma", 1.0)))
         adv, mean, _ = whiten_over_ranks(returns, mask, allreduce)

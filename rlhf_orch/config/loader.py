@@ -48,7 +48,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
                             "(a reward model scores whole responses); set reward.function or drop reward.dense")
     except RewardError as e:
         problems.append(f"reward.function: {e}")
-    from rlhf_orch.data import dataset_problems   # reads, renders and checks data.source's rows (and keeps them)
+    # Reads, renders and checks data.source's rows (and keeps them). Imported here: rlhf_orch.data brings torch
+    # in, and importing rlhf_orch.config (the schema for `rlhf-orch --help`) must not.
+    from rlhf_orch.data import dataset_problems
     problems.extend(dataset_problems(cfg))
     if problems:
         raise ConfigError(problems)

@@ -13,8 +13,10 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError   # RewardSection's messages, without pydantic's "Value error," prefix
 
-from rlhf_orch.models.tiny import TinyModelSpec
+from rlhf_orch.metrics.trackers import renamed_keys_message, tracker_problems, wandb_online_problem
+from rlhf_orch.models.tiny import BUILTIN_PREFIX, TinyModelSpec
 from rlhf_orch.rewards import NO_FUNCTION
+from rlhf_orch.rewards.model import reward_model_problem
 
 
 class _Section(BaseModel):
@@ -147,8 +149,6 @@ class RewardSection(_Section):
 
 def checked_reward_model_path(path: str | None, function: str | None) -> str | None:
     """reward.model_path as given, or raise a PydanticCustomError naming what is wrong and the fix (no weights load)."""
-    from rlhf_orch.models.tiny import BUILTIN_PREFIX
-
     if path is None or not str(path).strip():
         if function == NO_FUNCTION:
             raise PydanticCustomError("reward_source", "no reward source: reward.function is null and reward.model_path "
@@ -159,7 +159,6 @@ def checked_reward_model_path(path: str | None, function: str | None) -> str | N
         if path != "builtin:tiny-rm":
             raise PydanticCustomError("reward_model_path", "unknown built-in reward model; the only one is builtin:tiny-rm")
         return path
-    from rlhf_orch.rewards.model import reward_model_problem
     problem = reward_model_problem(path)
     if problem:
         raise PydanticCustomError("reward_model_path", problem)
@@ -410,7 +409,6 @@ class MetricsSection(_Section):
     @model_validator(mode="before")
     @classmethod
     def _renamed_keys(cls, data):
-        from rlhf_orch.metrics.trackers import renamed_keys_message
         message = renamed_keys_message(data) if isinstance(data, dict) else None
         if message:
             raise PydanticCustomError("renamed_key", message)
@@ -419,7 +417,6 @@ class MetricsSection(_Section):
     @field_validator("trackers")
     @classmethod
     def _installed(cls, v):
-        from rlhf_orch.metrics.trackers import tracker_problems
         problems = tracker_problems(v)
         if problems:
             raise PydanticCustomError("tracker", "; ".join(problems))
@@ -428,7 +425,6 @@ class MetricsSection(_Section):
     @field_validator("wandb_mode")
     @classmethod
     def _online_needs_key(cls, v, info):
-        from rlhf_orch.metrics.trackers import wandb_online_problem
         problem = wandb_online_problem() if v == "online" and "wandb" in (info.data.get("trackers") or []) else None
         if problem:
             raise PydanticCustomError("wandb_online", problem)

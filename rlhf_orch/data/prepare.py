@@ -17,6 +17,7 @@ from __future__ import annotations
 from rlhf_orch.data.rows import DataSpec, build_rows
 from rlhf_orch.data.sources import read_records
 from rlhf_orch.errors import DataError
+from rlhf_orch.models.tiny import build_tokenizer
 
 _PREPARED: dict[DataSpec, list[dict]] = {}   # the data section's file fields -> rows (the driver only)
 ANSWER_REWARDS = "rlhf_orch.rewards.builtin:"   # every built-in rule reward reads row["answer"]
@@ -30,7 +31,7 @@ def prepare_rows(spec: DataSpec, tokenizer=None) -> list[dict]:
 def rows_for(cfg) -> list[dict]:
     """The rows of cfg.data: a built-in task's, or the file rows dataset_problems prepared for exactly this data
     section (prepared again if it has not, e.g. a config built without load_config)."""
-    from rlhf_orch.data.dataset import load_rows
+    from rlhf_orch.data.dataset import load_rows   # here: dataset.py imports this module
     d = cfg.data
     if d.source.startswith("builtin:"):
         return load_rows(d.source, d.max_operand, cfg.experiment.seed)
@@ -47,7 +48,7 @@ def dataset_problems(cfg) -> list[str]:
     """Every problem of cfg.data that needs the rows; on success the rows are kept for load_rows."""
     d = cfg.data
     if d.source.startswith("builtin:"):
-        from rlhf_orch.data.dataset import load_rows
+        from rlhf_orch.data.dataset import load_rows   # here: dataset.py imports this module
         try:
             n = len(load_rows(d.source, d.max_operand, cfg.experiment.seed))
         except DataError as e:
@@ -130,7 +131,6 @@ def _tokenizer(cfg):
     """(tokenizer, None) or (None, problem): the built-in character tokenizer, or the model folder's."""
     path = cfg.model.path
     if path.startswith("builtin:"):
-        from rlhf_orch.models.tiny import build_tokenizer
         return build_tokenizer(), None
     try:
         from transformers import AutoTokenizer

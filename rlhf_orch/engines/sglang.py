@@ -50,7 +50,7 @@ import torch
 from rlhf_orch.engines.base import WAKE_TAGS, EngineLifecycle, per_prompt_params
 from rlhf_orch.engines.sglang_stream import HOOK, ColocatedStream, stream_request, write_report
 from rlhf_orch.errors import EngineError
-from rlhf_orch.types import Sample
+from rlhf_orch.types import Sample, dtype_from_name
 from rlhf_orch.weight_sync.buckets import BucketLayout, checksums
 from rlhf_orch.weight_sync.collective import GROUP_NAME
 
@@ -366,7 +366,6 @@ class SGLangEngine(ColocatedStream, EngineLifecycle):
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import _rebuild_cuda_tensor_modified
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
-        from rlhf_orch.types import dtype_from_name
 
         if handle.device != "cuda" or not handle.device_uuid:
             raise EngineError(f"engine {self.name}: SGLang takes CUDA IPC handles only (got a {handle.device!r} handle)")

@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
+from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.buckets import BucketLayout, TensorSlot
-from rlhf_orch.weight_sync.ipc import IpcHandle
+from rlhf_orch.weight_sync.ipc import IpcHandle, open_handle
 from rlhf_orch.weight_sync.receiver import ReceivedSums, WeightReceiver
 from rlhf_orch.weight_sync.replay import LoadReplay
 
@@ -177,7 +178,6 @@ class WeightSyncWorkerExtension:
     # ---- the per-parameter paths users run today, for `bench/weight_sync.py --naive` ------------------------
     def rlhf_receive_one(self, name: str, dtype: str, shape: list[int]) -> None:
         """The naive path users run today: one call and one broadcast per parameter, then load_weights."""
-        from rlhf_orch.types import dtype_from_name
         t = torch.empty(tuple(shape), dtype=dtype_from_name(dtype), device=self.device)
         self._rlhf_receiver().group.broadcast(t)
         with torch.no_grad():
@@ -185,8 +185,6 @@ class WeightSyncWorkerExtension:
 
     def rlhf_receive_one_ipc(self, name: str, handle: Any, dtype: str, shape: list[int]) -> None:
         """The naive colocated path: one call and one fresh CUDA IPC handle per parameter."""
-        from rlhf_orch.types import dtype_from_name
-        from rlhf_orch.weight_sync.ipc import open_handle
         t = open_handle(_as_handle(handle)).view(dtype_from_name(dtype)).view(tuple(shape))
         with torch.no_grad():
             self._rlhf_model().load_weights([(name, t)])

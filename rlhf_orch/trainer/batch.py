@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from rlhf_orch.trainer.packing import balance_rows, imbalance, seq_lengths
 from rlhf_orch.types import Sample, TrainBatch
 
 
@@ -69,7 +70,6 @@ def shard(batch: TrainBatch, world: int) -> list[TrainBatch]:
 
 def shard_balanced(batch: TrainBatch, world: int) -> tuple[list[TrainBatch], float]:
     """Shards balanced by token count (see packing.balance_rows), and their imbalance (max - mean) / mean."""
-    from rlhf_orch.trainer.packing import balance_rows, imbalance, seq_lengths
     lengths = seq_lengths(batch)
     ranks = balance_rows(lengths, world)
     return [batch.select(rows) for rows in ranks], imbalance([float(sum(lengths[i] for i in r)) for r in ranks])

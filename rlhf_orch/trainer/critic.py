@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from rlhf_orch.algorithms.losses import value_loss
 from rlhf_orch.errors import TrainerError
 from rlhf_orch.trainer import packing as pk
 from rlhf_orch.trainer.batch import trimmed
@@ -103,7 +104,6 @@ class DeepSpeedCritic(Forward, Offloadable):
                     num_tokens_global: float) -> dict[str, float]:
         """One optimizer step over several (shard, returns, old values): a critic rank of a group of its own serves
         more than one policy shard; gradients accumulate over all their micro-batches."""
-        from rlhf_orch.algorithms.losses import value_loss
         self._need_states("train")
         self.engine.module.train()
         total, clipped, tokens = 0.0, 0.0, 0.0

@@ -33,13 +33,16 @@ import torch
 
 from rlhf_orch.algorithms import aggregate_token_loss, masked_mean
 from rlhf_orch.algorithms.base import make_algorithm
+from rlhf_orch.distributed import init_rank
 from rlhf_orch.errors import TrainerError
 from rlhf_orch.metrics.flops import ModelFlops, device_peak_flops
 from rlhf_orch.trainer import packing as pk
 from rlhf_orch.trainer.batch import trimmed
+from rlhf_orch.trainer.export import ExportSpec, write_tokenizer_and_generation
 from rlhf_orch.trainer.forward import Forward
 from rlhf_orch.trainer.offload import Offloadable
 from rlhf_orch.types import ParamSpec, TrainBatch, dtype_from_name
+from rlhf_orch.weight_sync.buckets import plan_buckets
 
 # DeepSpeed 0.19's ZeRO calls torch's deprecated all_gather_into_tensor at every step: a warning only its maintainers
 # can act on, printed (with a stray `return func(*args, **kwargs)` line) into every run's output.
@@ -111,7 +114,6 @@ class DeepSpeedTrainer(Forward, Offloadable):
         self.attn = pk.resolve_attn(attn, device) if packing else None
         torch.manual_seed(seed)
         # Our own store (bound to MASTER_ADDR only, see rlhf_orch/distributed.py); DeepSpeed adopts the group.
-        from rlhf_orch.distributed import init_rank
         self.device = init_rank(rank, world_size, device)
         config = ds_config(world_size, zero_stage, lr, weight_decay, grad_clip, bf16, bool(micro_batch_size or self.budget))
         try:
@@ -359,7 +361,6 @@ class DeepSpeedTrainer(Forward, Offloadable):
     def _gather_groups(self, nbytes: int) -> list[list[str]]:
         """Consecutive names in groups of about `nbytes` (for gathers outside a sync): the sync's own
         bucket planner, so both gather the same way."""
-        from rlhf_orch.weight_sync.buckets import plan_buckets
         return [layout.names for layout in plan_buckets(self.param_specs("float32"), nbytes)]
 
     def device_id(self) -> str:
@@ -402,7 +403,6 @@ class DeepSpeedTrainer(Forward, Offloadable):
             self._export_hf(directory, spec)
 
     def _export_hf(self, directory: str, spec) -> None:
-        from rlhf_orch.trainer.export import ExportSpec, write_tokenizer_and_generation
         if self.zero_stage == 3:   # every rank joins each gather; only rank 0 keeps a host copy
             state = {n: t.detach().cpu().clone() if self.rank == 0 else None
                      for n, t in self.iter_named_tensors(self._gather_groups(1 << 30))}

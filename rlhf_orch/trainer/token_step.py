@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlhf_orch.algorithms.losses import explained_variance, masked_extrema
-
+from rlhf_orch.algorithms.losses import explained_variance, kl_divergence, masked_extrema
+from rlhf_orch.algorithms.ppo import token_rewards
 from rlhf_orch.types import TrainBatch
 
 
@@ -45,8 +45,6 @@ def _allreduce(device: torch.device) -> _RankReduce:
 def _kl_penalised(trainer, batch: TrainBatch, allreduce) -> tuple[torch.Tensor, dict[str, float]]:
     """verl's apply_kl_penalty: token rewards minus beta x KL(policy || reference) on every response token, as a
     [B, T] tensor the algorithm takes in place of the outcome rewards; then the controller sees the step's KL."""
-    from rlhf_orch.algorithms.losses import kl_divergence
-    from rlhf_orch.algorithms.ppo import token_rewards
     algo, ctrl = trainer.algo, trainer.algo.kl_ctrl
     ref = trainer.reference_logprobs(batch)
     old = trainer.logprobs(batch)
