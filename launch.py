@@ -28,8 +28,15 @@ import time
 from pathlib import Path
 
 from rlhf_orch.cli import parse_run_args   # shared with `rlhf-orch`; argparse only, so --help stays instant
+from rlhf_orch.errors import (CheckpointError, ConfigError, RLHFOrchError, RunStopped, TrainerError, WeightSyncError,
+                              is_actor_death)
+from rlhf_orch.metrics import PhaseTimer
 from rlhf_orch.report import end_of_run     # pathlib only
-from rlhf_orch.run_dir import ray_job_id    # the standard library only
+from rlhf_orch.resources import local_fit_problem
+from rlhf_orch.run_dir import RunLock, claim_run_dir, job_output_override, ray_job_id
+from rlhf_orch.torch_ext import prepare_extensions_dir
+# Modules that bring torch, transformers or Ray in are imported inside the functions that need them, so that
+# `--help` and a usage error answer at once (each such import says so where it is not obvious).
 
 logger = logging.getLogger("rlhf_orch.launch")
 
@@ -43,8 +50,6 @@ def prepare(argv):
     from rlhf_orch.data import PromptDataset
     from rlhf_orch.data.prepare import rows_for
     from rlhf_orch.models import BUILTIN_PREFIX, ensure_model_dir
-
-    from rlhf_orch.run_dir import job_output_override
     # In a Ray job a relative output_dir would be Ray's temporary copy of the working dir: moved before loading
     # (loading creates the folder). Elsewhere nothing changes.
     extra, why = job_output_override(args.config, args.overrides, dict(os.environ), os.getcwd())
@@ -53,8 +58,6 @@ def prepare(argv):
     cfg = load_config(args.config, [*args.overrides, extra] if extra else args.overrides)
     run_dir = Path(cfg.experiment.output_dir) / cfg.experiment.name
     logger.info("outputs of this run: %s", run_dir.resolve())
-    from rlhf_orch.errors import ConfigError
-    from rlhf_orch.resources import local_fit_problem
     problem = local_fit_problem(cfg)   # a local Ray that cannot hold the placement group; a cluster's is checked once joined
     if problem:
         raise ConfigError(problem)
@@ -68,16 +71,12 @@ def prepare(argv):
     from rlhf_orch.rewards.check import check_reward_function
     check_reward_function(cfg.reward, dataset.rows,   # two rows, placeholder responses: finite floats or one error line
                           lambda text: tokenizer(text, add_special_tokens=False).input_ids)
-    from rlhf_orch.torch_ext import prepare_extensions_dir
     prepare_extensions_dir(cfg.trainer.device)   # DeepSpeed's op builds: versioned folder, stale locks, first-build note
     return cfg, run_dir, model_path, tokenizer, dataset
 
 
 def rl_step(cluster, cfg, step: int) -> tuple[dict, dict]:
     """One RL step; returns its flat metrics and the batch metadata. Engines hold version step-1 on entry."""
-    from rlhf_orch.errors import WeightSyncError
-    from rlhf_orch.metrics import PhaseTimer
-
     timer = PhaseTimer()
     with timer.phase("step"):
         with timer.phase("to_generate"):    # colocation: trainers offload, engines wake (else no-op)
@@ -131,7 +130,6 @@ def save_checkpoint(cluster, step: int, rollout_state: dict) -> None:
     """A periodic checkpoint. If it cannot be written (disk full, permissions, a trainer error) the run goes on
     while an earlier good checkpoint exists, with the true cause logged; with none it stops."""
     from rlhf_orch.checkpoint import checkpoint_dir, find_good
-    from rlhf_orch.errors import CheckpointError, TrainerError, is_actor_death
     try:
         cluster.checkpoint(step, rollout_state)
     except (CheckpointError, TrainerError, OSError) as e:
@@ -154,7 +152,6 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
     from actors.builder import Cluster
     from rlhf_orch.rollout_utils import reward_summary, warm_start_pairs
     from rlhf_orch.checkpoint import CheckpointPolicy
-    from rlhf_orch.errors import RunStopped
     from rlhf_orch.evaluation import eval_set_for, last_eval
     from rlhf_orch.trainer.batch import build_sft_batch
 
@@ -260,7 +257,6 @@ def _on_sigterm(signum, frame):
     # completed step's checkpoint, the plots and the timeline, and main() writes summary.json. A later SIGTERM
     # must not cut that short (an exception raised inside the clean-up would skip summary.json): the sender's
     # SIGKILL after its grace period is the hard stop.
-    from rlhf_orch.errors import RunStopped
     _STOPPING.append(signum)
     if len(_STOPPING) > 1:
         logger.warning("signal %s again: still saving the stopped run", signal.Signals(signum).name)
@@ -284,14 +280,12 @@ def preflight(argv):
 def main(argv=None) -> int:
     logging.basicConfig(level=os.environ.get("RLHF_ORCH_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rlhf_orch.errors import RLHFOrchError
     try:
         cfg, run_dir, model_path, tokenizer, dataset, eval_set = preflight(argv)
     except RLHFOrchError as e:
         for line in str(e).splitlines():
             sys.stderr.write(f"error: {line}\n")
         return 2
-    from rlhf_orch.run_dir import RunLock, claim_run_dir
     try:   # one live run per run folder; held across in-process restarts, dropped by the kernel if we are killed
         lock = RunLock(run_dir, cfg.experiment.name).acquire()
     except RLHFOrchError as e:
@@ -312,7 +306,6 @@ def main(argv=None) -> int:
 def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set) -> int:
     """The run with its automatic restarts from the latest checkpoint; writes summary.json; returns the exit code."""
     from rlhf_orch.checkpoint import checkpoint_dir, find_good
-    from rlhf_orch.errors import RLHFOrchError, RunStopped, is_actor_death
     from actors.ray_session import stop_ray   # imports Ray (seconds): not at the top, so --help stays instant
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
