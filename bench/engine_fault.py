@@ -84,14 +84,24 @@ def main() -> int:
         print(f"fault: {f['engine']} during {f['phase']} ({f['cause'][:100]}); {f.get('groups_requeued')} groups re-queued; "
               f"replacement {f.get('replacement')}; synced {f.get('recovery_s')} s after the death was seen; first sync "
               f"v{f.get('first_sync_version')} verified: {f.get('first_sync_verified')}")
-    if info.get("t") and summary.get("faults"):
-        print(f"seconds from SIGKILL to the replacement serving: {summary['faults'][0].get('serving_t', 0) - info['t']:.1f}")
+    serving_t = (summary.get("faults") or [{}])[0].get("serving_t")
+    if info.get("t") and serving_t:
+        print(f"seconds from SIGKILL to the replacement serving: {serving_t - info['t']:.1f}")
+    elif info.get("t"):
+        print("the replacement never served in this run")
     k = info.get("after_step") or args.kill_step
     print("\n| step | step_s | generate_s | sync_s | tokens/s | engines live |\n|---|---|---|---|---|---|")
     for r in recs:
         mark = " (fault)" if r["step"] == k + 1 else ""
         print(f"| {r['step']}{mark} | {r['perf/step_s']:.2f} | {r['perf/generate_s']:.2f} | {r['sync/total_s']:.3f} | "
               f"{r['rollout/tokens'] / max(r['perf/step_s'], 1e-9):.0f} | {r.get('fault/engines_live', float('nan')):.0f} |")
+    # While a dedicated replacement starts (fault_tolerance.replacement_start: background) the survivors serve alone.
+    full = max((r.get("fault/engines_live", 0) for r in recs), default=0)
+    alone = [r for r in recs if r["step"] > k and r.get("fault/engines_live", full) < full]
+    if alone:
+        rate = statistics.median(r["rollout/tokens"] / max(r["perf/step_s"], 1e-9) for r in alone)
+        print(f"\n{len(alone)} steps served by fewer engines (steps {alone[0]['step']}-{alone[-1]['step']}): median "
+              f"{statistics.median(r['perf/step_s'] for r in alone):.2f} s per step, {rate:.0f} tokens/s")
     before = [r["perf/step_s"] for r in recs if 2 <= r["step"] <= k]
     after = [r["perf/step_s"] for r in recs if r["step"] > k + 1]
     if before and after:

@@ -51,7 +51,7 @@ class HFEngine(EngineLifecycle):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if start_delay_s:
-            time.sleep(start_delay_s)   # test hook: a slow start (vLLM takes ~50 s), for a replacement's
+            time.sleep(start_delay_s)   # test hook: a start as slow as vLLM's (~50 s), so a replacement takes a while
 
         self.name = name
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)

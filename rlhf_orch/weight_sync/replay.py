@@ -21,8 +21,10 @@ tensor) into its parameter. Such a bucket gets a *sharded* plan when every write
 two dimensions with contiguous rows, each read from inside one received tensor, and no two writes overlap: the
 copies run as one kernel over every row, and a second pass checksums the received tensors whole (what the
 trainer checksummed; a worker cannot checksum the whole tensor from its slice), as the loader path does for such
-engines. A bucket whose tensors a worker loads whole still gets a full plan. Memory that moves (a parameter reallocated on wake-up) only rebuilds the addresses; a parameter whose
-shape, dtype or size changed sends the bucket back to the loader, which raises its own errors.
+engines. A bucket whose tensors a worker loads whole still gets a full plan.
+
+Memory that moves (a parameter reallocated on wake-up) only rebuilds the addresses; a parameter whose shape, dtype
+or size changed sends the bucket back to the loader, which raises its own errors.
 This module knows nothing of vLLM or Ray.
 """
 from __future__ import annotations
@@ -117,6 +119,8 @@ class _Recorder(TorchFunctionMode):
 def _rows(src: torch.Tensor, dst: torch.Tensor) -> tuple[int, int, int, int] | None:
     """(rows, elements per row, source row stride, destination row stride) of a copy between two same-shape
     views whose dimensions merge into at most two with contiguous rows in both; None otherwise."""
+    if src.numel() == 0:
+        return 1, 0, 0, 0
     dims = [[n, a, b] for n, a, b in zip(src.shape, src.stride(), dst.stride()) if n != 1]
     if not dims:
         return 1, 1, 0, 0
