@@ -82,8 +82,9 @@ def _check_run(run: Path, steps: int, prompts: int = 16, overlapped: bool = Fals
 
 
 def test_killed_engine_is_replaced_resynced_and_nothing_is_lost(tmp_path, monkeypatch):
-    # The dedicated engine (and so its replacement) starts 3 s slower, the survivor serves steps of ~0.3 s alone.
-    set_engine_hooks(monkeypatch, {"decode_delay_s": 0.05}, {**SLOW, "start_delay_s": 3.0})
+    # The dedicated engine (and so its replacement) starts 2 s slower; the survivor serves steps of ~0.4 s alone,
+    # so the ~7 s a replacement takes here (2 s of it the hook) leave ~5 s to spare before the run's end.
+    set_engine_hooks(monkeypatch, {"decode_delay_s": 0.06}, {**SLOW, "start_delay_s": 2.0})
     run = tmp_path / "kill"
     info = {}
     killer = _fault_at(run, 10, signal.SIGKILL, "-engine-dedicated", info)
