@@ -28,11 +28,14 @@ import time
 from pathlib import Path
 
 from rlhf_orch.cli import parse_run_args   # shared with `rlhf-orch`; argparse only, so --help stays instant
+from rlhf_orch.config import load_config
 from rlhf_orch.errors import (CheckpointError, ConfigError, RLHFOrchError, RunStopped, TrainerError, WeightSyncError,
                               is_actor_death)
 from rlhf_orch.metrics import PhaseTimer
+from rlhf_orch.models import BUILTIN_PREFIX, ensure_model_dir
 from rlhf_orch.report import end_of_run     # pathlib only
 from rlhf_orch.resources import local_fit_problem
+from rlhf_orch.rewards.check import check_reward_function
 from rlhf_orch.run_dir import RunLock, claim_run_dir, job_output_override, ray_job_id
 from rlhf_orch.torch_ext import prepare_extensions_dir
 # Modules that bring torch, transformers or Ray in are imported inside the functions that need them, so that
@@ -46,10 +49,8 @@ def prepare(argv):
     # The arguments first, with nothing heavy imported: `--help` and a usage error answer at once.
     args = parse_run_args(argv)
     from transformers import AutoTokenizer
-    from rlhf_orch.config import load_config
-    from rlhf_orch.data import PromptDataset
+    from rlhf_orch.data import PromptDataset   # torch (and transformers above): after the arguments parse
     from rlhf_orch.data.prepare import rows_for
-    from rlhf_orch.models import BUILTIN_PREFIX, ensure_model_dir
     # In a Ray job a relative output_dir would be Ray's temporary copy of the working dir: moved before loading
     # (loading creates the folder). Elsewhere nothing changes.
     extra, why = job_output_override(args.config, args.overrides, dict(os.environ), os.getcwd())
@@ -68,7 +69,6 @@ def prepare(argv):
                                           Path(cfg.experiment.output_dir) / "models", cfg.experiment.seed).resolve())
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dataset = PromptDataset(rows, tokenizer, cfg.data.max_prompt_tokens, cfg.experiment.seed)
-    from rlhf_orch.rewards.check import check_reward_function
     check_reward_function(cfg.reward, dataset.rows,   # two rows, placeholder responses: finite floats or one error line
                           lambda text: tokenizer(text, add_special_tokens=False).input_ids)
     prepare_extensions_dir(cfg.trainer.device)   # DeepSpeed's op builds: versioned folder, stale locks, first-build note
@@ -129,7 +129,7 @@ def _last_sync(cluster) -> dict:
 def save_checkpoint(cluster, step: int, rollout_state: dict) -> None:
     """A periodic checkpoint. If it cannot be written (disk full, permissions, a trainer error) the run goes on
     while an earlier good checkpoint exists, with the true cause logged; with none it stops."""
-    from rlhf_orch.checkpoint import checkpoint_dir, find_good
+    from rlhf_orch.checkpoint import checkpoint_dir, find_good   # torch
     try:
         cluster.checkpoint(step, rollout_state)
     except (CheckpointError, TrainerError, OSError) as e:
@@ -149,7 +149,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
     import torch
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
-    from actors.builder import Cluster
+    from actors.builder import Cluster   # Ray, and below torch: only once a run starts
     from rlhf_orch.rollout_utils import reward_summary, warm_start_pairs
     from rlhf_orch.checkpoint import CheckpointPolicy
     from rlhf_orch.evaluation import eval_set_for, last_eval
@@ -272,7 +272,7 @@ def preflight(argv):
     """Every check before Ray starts (main's, and `rlhf-orch check`'s): prepare(), then the evaluation prompts.
     Returns (cfg, run_dir, model_path, tokenizer, dataset, eval_set); raises RLHFOrchError on bad input."""
     cfg, run_dir, model_path, tokenizer, dataset = prepare(argv)
-    from rlhf_orch.evaluation import eval_set_for
+    from rlhf_orch.evaluation import eval_set_for   # torch
     eval_set = eval_set_for(cfg, tokenizer)   # the evaluation prompts, read and checked before Ray (None: off)
     return cfg, run_dir, model_path, tokenizer, dataset, eval_set
 
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
 
 def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set) -> int:
     """The run with its automatic restarts from the latest checkpoint; writes summary.json; returns the exit code."""
-    from rlhf_orch.checkpoint import checkpoint_dir, find_good
+    from rlhf_orch.checkpoint import checkpoint_dir, find_good   # torch
     from actors.ray_session import stop_ray   # imports Ray (seconds): not at the top, so --help stays instant
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)

@@ -39,7 +39,16 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import launch  # noqa: E402
+from actors.builder import Cluster  # noqa: E402
+from actors.ray_session import stop_ray  # noqa: E402
+from bench.shapes import SHAPES  # noqa: E402
+from rlhf_orch.config import load_config  # noqa: E402
+from rlhf_orch.data import PromptDataset, load_rows  # noqa: E402
 from rlhf_orch.engines import HOOKS_ENV  # noqa: E402
+from rlhf_orch.metrics.timeline import Timeline  # noqa: E402
+from rlhf_orch.models import TinyModelSpec, build_tokenizer, ensure_model_dir  # noqa: E402
+from rlhf_orch.models.tiny import CHARS  # noqa: E402
 
 MODES = {"sync": dict(max_staleness=0, partial_rollouts=False), "k1": dict(max_staleness=1, partial_rollouts=False),
          "k1p": dict(max_staleness=1, partial_rollouts=True),
@@ -63,15 +72,12 @@ def lengths(n: int, median: float, sigma: float, cap: int) -> list[int]:
 def build(args, out: Path):
     """Model folder, dataset rows and config for the run."""
     import random
-    from rlhf_orch.models import TinyModelSpec, build_tokenizer, ensure_model_dir
-    from rlhf_orch.models.tiny import CHARS
     tok = build_tokenizer()
     if args.dry_run:
         model_path = str(ensure_model_dir("tiny-llama", TinyModelSpec(), out / "models", seed=0))
     else:
         import torch
         from transformers import AutoModelForCausalLM, LlamaConfig
-        from bench.shapes import SHAPES
         model_path = str(out / "llama-3.2-1b-random")
         if not (Path(model_path) / "config.json").exists():
             cfg = LlamaConfig(**SHAPES["llama-3.2-1b"], max_position_embeddings=args.cap + 64, bos_token_id=1,
@@ -120,7 +126,6 @@ def build(args, out: Path):
 
 
 def analyze(cluster, mode: str, recs: list[dict], windows: list[tuple[float, float]]) -> dict:
-    from rlhf_orch.metrics.timeline import Timeline
     t0, t1 = windows[0][0], windows[-1][1]
     wall = t1 - t0
     tl = Timeline(0.0)
@@ -226,11 +231,6 @@ def main(argv=None) -> int:
     args.steps = 5 if args.steps is None else args.steps
     import logging
     logging.basicConfig(level=os.environ.get("RLHF_ORCH_LOG_LEVEL", "WARNING"))
-    import launch
-    from actors.builder import Cluster
-    from actors.ray_session import stop_ray
-    from rlhf_orch.config import load_config
-    from rlhf_orch.data import PromptDataset, load_rows
     from transformers import AutoTokenizer
 
     out = Path(args.workdir)

@@ -21,15 +21,17 @@ import threading
 import time
 from pathlib import Path
 
+import ray
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import launch  # noqa: E402
+from rlhf_orch.config import engine_names, load_config  # noqa: E402
 
 
 def killer(run_dir: Path, suffix: str, step: int, out: dict, mid_sync: bool = False) -> threading.Thread:
     """`mid_sync`: after `step` steps, kill at the first moment the engine reports itself inside a weight sync
     (its health's `syncing`; polled as fast as the calls return, since a colocated sync lasts milliseconds)."""
-    import ray
-
     def go():
         metrics, pid, actor = run_dir / "metrics.jsonl", None, None
         while True:
@@ -64,8 +66,6 @@ def main() -> int:
     p.add_argument("--copy-to", default=None)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
-    import launch
-    from rlhf_orch.config import engine_names, load_config
     cfg = load_config(args.config, args.overrides)
     engine = args.engine or engine_names(cfg)[0]
     run = Path(args.output_dir) / cfg.experiment.name

@@ -28,6 +28,7 @@ import torch
 
 from bench.shapes import MODELS
 from rlhf_orch.engines.base import Capabilities, streams_over
+from rlhf_orch.engines.vllm_worker import pack_arg
 from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync import WeightReceiver, checksums
 from rlhf_orch.weight_sync.collective import GROUP_NAME, BroadcastGroup
@@ -154,7 +155,7 @@ class HostState:
         if kind == "raw":
             self.engine, version = RawEngine(model, self.dev, self.slot), "raw"
         elif kind == "vllm":
-            import vllm
+            import vllm   # optional (the vllm extra), as is SGLang below: imported with its engine module here
             from rlhf_orch.engines.vllm import VLLMEngine
             self.engine, version = VLLMEngine(**kw), f"vLLM {vllm.__version__}"
         else:
@@ -257,7 +258,6 @@ class HostState:
     def naive_ipc(self, name, handle, dtype, shape):
         """Colocated: one fresh IPC handle (and for vLLM one call) per parameter."""
         if self.kind == "vllm":
-            from rlhf_orch.engines.vllm_worker import pack_arg
             self.engine._rpc("rlhf_receive_one_ipc", name, pack_arg(handle), dtype, list(shape))
         else:
             self.engine.params[name].copy_(open_handle(handle).view(dtype_from_name(dtype)).view(shape))

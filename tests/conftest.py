@@ -25,7 +25,7 @@ if "TORCH_EXTENSIONS_DIR" not in os.environ:
 @pytest.fixture
 def config_warnings(monkeypatch, caplog):
     """caplog for the config checks' warnings, which each test sees again (the module logs each one once per process)."""
-    from rlhf_orch.config import checks
+    from rlhf_orch.config import checks   # here: it brings torch in, after the environment above is set
     monkeypatch.setattr(checks, "_warned", set())
     caplog.set_level(logging.WARNING, logger="rlhf_orch.config.checks")
     return caplog
@@ -33,7 +33,7 @@ def config_warnings(monkeypatch, caplog):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from rlhf_orch.models import TinyModelSpec, ensure_model_dir
+    from rlhf_orch.models import TinyModelSpec, ensure_model_dir   # here, as checks above
     return str(ensure_model_dir("tiny-llama", TinyModelSpec(), tmp_path_factory.mktemp("models"), seed=0))
 
 

@@ -10,15 +10,18 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from rlhf_orch.algorithms.base import algorithm_names, make_algorithm
+from rlhf_orch.algorithms.losses import KL_ESTIMATORS, LOSS_AGG_MODES
+from rlhf_orch.algorithms.off_policy import resolve_off_policy
+from rlhf_orch.config.schema import ExperimentConfig, RolloutSection, engine_names
+from rlhf_orch.data.tasks import TASKS
 from rlhf_orch.models.tiny import BUILTIN_PREFIX, CHARS, SPECIAL_TOKENS
 from rlhf_orch.rewards import NO_FUNCTION
-# Imported where used: the algorithms, data tasks and packing (they bring torch in, and loading a config, as
-# `rlhf-orch check` does, needs none), transformers, and schema itself (it imports this module).
+from rlhf_orch.trainer.packing import flash_attn_available
+# schema.py imports this module inside its validator (the checks need its sections), so importing the schema (for
+# `rlhf-orch --help`) loads none of the above. transformers is imported where a model folder is read.
 
-if TYPE_CHECKING:
-    from rlhf_orch.config.schema import ExperimentConfig, RolloutSection
 
 logger = logging.getLogger(__name__)
 _warned: set[str] = set()   # warnings already logged by this process: a config validated again says nothing new
@@ -40,7 +43,6 @@ def resolve_algorithm_defaults(cfg: ExperimentConfig) -> None:
       stays, with a warning naming both fields.
     - algorithm.kl_estimator k3 (unclamped, now only by explicit choice) with a KL term in use: a warning.
     """
-    from rlhf_orch.algorithms.off_policy import resolve_off_policy
     resolve_rollout_defaults(cfg)
     a, staleness = cfg.algorithm, cfg.rollout.max_staleness
     resolved = resolve_off_policy(a.off_policy, staleness)
@@ -141,15 +143,11 @@ def output_problems(cfg: ExperimentConfig) -> list[str]:
 
 def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
     """Every rule that involves more than one field. Each message names the field and the fix."""
-    from rlhf_orch.algorithms.base import algorithm_names, make_algorithm
-    from rlhf_orch.config.schema import engine_names
-
     resolve_algorithm_defaults(cfg)
     p: list[str] = output_problems(cfg)
     if cfg.algorithm.name not in algorithm_names():
         p.append(f"algorithm.name: unknown algorithm {cfg.algorithm.name!r}; use one of: {', '.join(algorithm_names())}")
     else:
-        from rlhf_orch.algorithms.losses import KL_ESTIMATORS, LOSS_AGG_MODES
         if cfg.algorithm.kl_estimator not in KL_ESTIMATORS:
             p.append(f"algorithm.kl_estimator: unknown KL estimator {cfg.algorithm.kl_estimator!r}; use one of: "
                      f"{', '.join(KL_ESTIMATORS)}")
@@ -373,8 +371,6 @@ def causal_lm_problem(path: str, policy_vocab: int | None) -> str | None:
 
 def eval_problems(cfg: ExperimentConfig) -> list[str]:
     """eval-section rules that need no file read (its rows are read and checked by rlhf_orch.evaluation)."""
-    from rlhf_orch.data.tasks import TASKS
-
     e, p = cfg.eval, []
     given = e.model_fields_set
     if "temperature" in given and e.n == 1:
@@ -429,7 +425,6 @@ def packing_problems(cfg: ExperimentConfig) -> list[str]:
         p.append(f"trainer.packing: packed micro-batches are formed by a token budget; set trainer.max_tokens_per_micro_batch "
                  f"(at least {longest}) or packing: false")
     if t.attn == "flash_attention_2":
-        from rlhf_orch.trainer.packing import flash_attn_available
         if t.device != "cuda":
             p.append("trainer.attn: flash_attention_2 runs on cuda only; set trainer.attn: sdpa (or auto) or trainer.device: cuda")
         elif not flash_attn_available():
@@ -465,7 +460,6 @@ def rollout_problems(cfg: ExperimentConfig) -> list[str]:
         p.append("rollout.deterministic: which requests a sync aborts depends on timing; set rollout.running_requests: "
                  "wait (or remove it: auto picks wait when deterministic) or deterministic: false")
     if r.deterministic:
-        from rlhf_orch.config.schema import engine_names
         engines, B = len(engine_names(cfg)), cfg.data.prompts_per_step
         per_call = r.dispatch_groups or math.ceil(B / engines)
         calls = math.ceil(math.ceil(B * (r.max_staleness + 1) / per_call) / engines)

@@ -235,11 +235,12 @@ class _ShardedRun:
         self.copies, self.sums = copies, sums
         self.kernel_runs = copies.kernel_runs + sums.kernel_runs
         self.cacheable = copies.cacheable and sums.cacheable
+        # The copies' own sums (of slices) are never read: one buffer they add into, made once, never zeroed.
+        self._discard = torch.zeros(copies.n_slots, dtype=torch.int64, device=copies.device)
 
     def run(self, copy: bool = True, out: torch.Tensor | None = None) -> list[int] | None:
         if copy:
-            self.copies.run(copy=True, out=torch.zeros(self.copies.n_slots, dtype=torch.int64,
-                                                       device=self.copies.device))
+            self.copies.run(copy=True, out=self._discard)
         return self.sums.run(copy=False, out=out)
 
 

@@ -10,11 +10,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs a GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
+from rlhf_orch.weight_sync import copysum  # noqa: E402
+from rlhf_orch.weight_sync.buckets import checksums  # noqa: E402
+
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kernel_equals_the_torch_path_on_random_bytes(seed, monkeypatch):
-    from rlhf_orch.weight_sync import copysum
-    from rlhf_orch.weight_sync.buckets import checksums
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(seed)
     # Sizes around a chunk boundary, tiny ones, and ones that are not whole words (those take the torch path).
@@ -47,7 +48,6 @@ def test_kernel_equals_the_torch_path_on_random_bytes(seed, monkeypatch):
 
 def test_kernel_copies_blocks_of_rows_like_the_torch_path(monkeypatch):
     """A tensor-parallel slice: a block of every row of a matrix (row-parallel) and a block of rows, 2-D runs."""
-    from rlhf_orch.weight_sync import copysum
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(3)
     full = torch.randint(0, 256, (300, 4096), generator=g, device=dev, dtype=torch.uint8)   # 300 rows of 4 KiB

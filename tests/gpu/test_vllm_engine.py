@@ -19,6 +19,13 @@ vllm = pytest.importorskip("vllm")
 # fails with "CUDA error: initialization error", as on 2026-11-27 after tests/gpu/test_vllm_streaming.py).
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
+from rlhf_orch.engines.base import SamplingParams  # noqa: E402
+from rlhf_orch.engines.vllm import VLLMEngine  # noqa: E402
+from rlhf_orch.models import build_tokenizer  # noqa: E402
+from rlhf_orch.types import ParamSpec, dtype_name  # noqa: E402
+from rlhf_orch.weight_sync import WeightSender, plan_buckets  # noqa: E402
+from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port  # noqa: E402
+
 SPEC = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -29,7 +36,6 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(dirs):
-    from rlhf_orch.engines.vllm import VLLMEngine
     e = VLLMEngine(name="v", model_path=dirs[0], dtype="bfloat16", gpu_memory_utilization=0.25,
                    enforce_eager=True, enable_sleep_mode=True, max_model_len=64, seed=0,
                    kv_cache_memory_gb=1)
@@ -38,20 +44,16 @@ def engine(dirs):
 
 
 def test_vllm_engine_contract(engine, dirs):
-    from rlhf_orch.models import build_tokenizer
     assert engine.device_ids()[0].startswith("gpu-")
     run_contract(engine, dirs[0], dirs[1], build_tokenizer(), atol=0.05, dtype=torch.bfloat16)
 
 
 def test_vllm_engine_sleep_contract(engine, dirs):
     """Sleep levels 2 and 1 through vLLM's CuMemAllocator, weights refilled by load_weights after level 2."""
-    from rlhf_orch.models import build_tokenizer
     run_sleep_contract(engine, dirs[0], build_tokenizer(), atol=0.05, dtype=torch.bfloat16)
 
 
 def _check_logprobs(engine, model_dir, version):
-    from rlhf_orch.engines.base import SamplingParams
-    from rlhf_orch.models import build_tokenizer
     p = build_tokenizer()("2+3=", add_special_tokens=False).input_ids
     s = engine.generate([p], SamplingParams(temperature=1.0, max_new_tokens=4, n=1))[0]
     assert s.weight_version == version
@@ -61,9 +63,6 @@ def _check_logprobs(engine, model_dir, version):
 
 @pytest.mark.parametrize("placement", ["nccl", "ipc", "ipc_stream"])
 def test_sync_into_vllm(engine, dirs, placement):
-    from rlhf_orch.types import ParamSpec, dtype_name
-    from rlhf_orch.weight_sync import WeightSender, plan_buckets
-    from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
     if placement == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     target = dirs[0] if placement == "ipc" else dirs[1]     # each test moves the engine to other weights
@@ -140,8 +139,6 @@ def test_replayed_syncs_into_vllm_follow_the_weights_and_survive_sleep(engine, d
     """Load replay (weight_sync/replay.py): the first sync records where vLLM's load_weights puts every tensor
     (q/k/v and gate/up into fused parameters), later ones redo it with the fused copy-and-checksum kernel. The
     engine must then serve each new model's logprobs exactly, also after a level-2 sleep."""
-    from rlhf_orch.types import ParamSpec, dtype_name
-    from rlhf_orch.weight_sync import WeightSender, plan_buckets
     dev = torch.device("cuda", 0)
     ws = [[(n, t.to(dev)) for n, t in named_weights(d, torch.bfloat16)] for d in dirs]
     layouts = plan_buckets([ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in ws[0]], 64 * 1024)

@@ -20,6 +20,9 @@ modules run last in the group.
 from types import SimpleNamespace
 
 import pytest
+import ray
+
+from actors.ray_session import init_ray
 
 
 def _all_shared(items) -> bool:
@@ -28,8 +31,6 @@ def _all_shared(items) -> bool:
 
 @pytest.fixture(scope="module")
 def shared_ray(request):
-    import ray
-    from actors.ray_session import init_ray
     if not ray.is_initialized():
         init_ray(SimpleNamespace(ray=SimpleNamespace(address=None, num_cpus=2)), shared=True)   # what `ray.num_cpus=2` runs start
         request.config.shared_ray_up = True

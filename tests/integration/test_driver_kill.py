@@ -16,6 +16,7 @@ import psutil
 import pytest
 from baselines import baseline
 from engine_hooks import engine_hooks
+import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -120,8 +121,6 @@ def test_sigkilled_driver_leaves_no_ray_processes(tmp_path):
             psutil.wait_procs(rest, timeout=5)
 
     # The same command with resume=true (in this process) continues from the last checkpoint, exactly.
-    sys.path.insert(0, str(ROOT))
-    import launch
     assert launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), *common, "resume=true"]) == 0
     base = baseline("tiny_cpu_20steps")
     records = [json.loads(l) for l in metrics.read_text().splitlines()]

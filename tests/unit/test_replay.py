@@ -15,6 +15,7 @@ from rlhf_orch.types import ParamSpec
 from rlhf_orch.weight_sync.buckets import checksums, pack, plan_buckets
 from rlhf_orch.weight_sync.copysum import CopyPlan, Run
 from rlhf_orch.weight_sync.replay import LoadReplay
+from rlhf_orch.weight_sync.sender import WeightSender
 
 HID, Q, KV, VOCAB, PAD_VOCAB = 8, 8, 4, 10, 16
 
@@ -157,7 +158,6 @@ def test_copy_plan_sums_runs_into_slots_and_can_checksum_without_copying():
 
 
 def test_sender_checksums_equal_the_tensors_checksums_also_when_converting_dtypes():
-    from rlhf_orch.weight_sync.sender import WeightSender
     specs = [ParamSpec("a", "float32", (5, 3)), ParamSpec("b", "bfloat16", (7,)), ParamSpec("c", "float32", (4,))]
     layouts = plan_buckets(specs, 128)
     sender = WeightSender(layouts, torch.device("cpu"), ipc_engines=["e"])
