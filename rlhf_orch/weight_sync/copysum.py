@@ -17,6 +17,7 @@ length are not multiples of 8 bytes take the torch path. This module knows nothi
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -106,6 +107,12 @@ def _rows(r: Run) -> torch.Tensor:
     return torch.stack([src, dst, n, torch.full_like(src, r.slot)], dim=-1).reshape(-1, 4)
 
 
+def device_current(device: torch.device):
+    """A context in which `device` is the current CUDA device (a no-op elsewhere): Triton, and torch's streams and
+    events made without a device, use the calling thread's current device, not the tensors'."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class CopyPlan:
     """A fixed list of runs; `run()` may be called many times while the memory stays where it was.
 
@@ -137,7 +144,8 @@ class CopyPlan:
         the device: the GPU hand-over keeps them there until the sync's end."""
         sums = torch.zeros(self.n_slots, dtype=torch.int64, device=self.device) if out is None else out
         if self.desc is not None:
-            self.kernel[(self.desc.shape[0],)](self.desc, sums, COPY=copy, BLOCK=_BLOCK, num_warps=_WARPS)
+            with device_current(self.device):
+                self.kernel[(self.desc.shape[0],)](self.desc, sums, COPY=copy, BLOCK=_BLOCK, num_warps=_WARPS)
         if self.slow:
             if copy:
                 torch._foreach_copy_([r.dst for r in self.slow], [r.src for r in self.slow], non_blocking=True)

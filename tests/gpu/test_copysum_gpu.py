@@ -66,3 +66,24 @@ def test_kernel_copies_blocks_of_rows_like_the_torch_path(monkeypatch):
     monkeypatch.setattr(copysum, "_kernel", None)
     plan2, sums2, half2, top2 = plan_and_run()
     assert plan2.kernel_runs == 0 and sums2 == sums and torch.equal(half2, half) and torch.equal(top2, top)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_plan_and_sender_run_on_their_device_whatever_the_current_one():
+    """Triton launches on the calling thread's current device: a plan (and a whole send) on GPU 0 called while GPU 1
+    is current must still run on GPU 0 (the SGLang GPU tests failed with "invalid resource handle" without it)."""
+    from rlhf_orch.types import ParamSpec, dtype_name
+    from rlhf_orch.weight_sync import WeightSender, plan_buckets
+    dev = torch.device("cuda", 0)
+    src = torch.arange(4096, device=dev, dtype=torch.int64).view(torch.uint8)
+    dst = torch.zeros_like(src)
+    want = copysum.CopyPlan([copysum.Run(src, dst, 0)], 1, dev).run()
+    weights = [(f"w{i}", torch.randn(256, 64, device=dev, dtype=torch.bfloat16)) for i in range(4)]
+    layouts = plan_buckets([ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in weights], 64 * 1024)
+    def send():   # an IPC sync to nobody (the handles go nowhere): packs and checksums every bucket
+        return WeightSender(layouts, dev, ["e"]).send(iter(weights), 1, deliver=lambda e, h, i, v: [],
+                                                       wait=lambda x: x).checksums
+    with torch.cuda.device(1):
+        dst.zero_()
+        assert copysum.CopyPlan([copysum.Run(src, dst, 0)], 1, dev).run() == want and torch.equal(dst, src)
+        assert send() == checksums([t for _, t in weights])
