@@ -4,12 +4,12 @@ setup: ask every trainer rank and engine worker where it sits -> make the plan (
 trainer rank's device, broadcast for the rest) -> lay out buckets from rank 0's parameter specs ->
 build senders and receivers, creating and warming the one broadcast group on all sides at once.
 
-Engines whose receivers check what they load themselves (ours: hf, vLLM, and SGLang colocated;
-`RolloutActor.streams`) take a whole sync in one call, `sync_weights`: they pause, receive every bucket
+Engines whose receivers check what they load themselves (ours: hf, vLLM, and single-GPU SGLang, our receiver in its
+scheduler; `RolloutActor.streams`) take a whole sync in one call, `sync_weights`: they pause, receive every bucket
 (colocated ones through a shared-memory mailbox with their trainer rank, opened once at setup: no call per
 bucket), compare each tensor's checksum with the trainer's, record the version and resume, while the trainer
-ranks send. So a sync costs one round of calls from here, not five. Other engines (SGLang over broadcast) keep
-the stepwise sequence: pause -> every trainer rank streams its buckets (rank 0 broadcasts, ranks sharing a
+ranks send. So a sync costs one round of calls from here, not five. Other engines (tensor-parallel SGLang, fed
+through SGLang's own calls; any engine with verification off) keep the stepwise sequence: pause -> every trainer rank streams its buckets (rank 0 broadcasts, ranks sharing a
 device hand each bucket's IPC handle to their engines) while broadcast engines receive -> compare every
 engine's checksums with its sender's here -> record the version -> resume. Both kinds in one sync are compared
 here as well. Only metadata passes through this actor: handles, checksums and timings, never tensor data.

@@ -171,9 +171,8 @@ class RolloutActor:
 
     def streams(self, transport: str) -> bool:
         """Whether this engine's receiver verifies what it loads itself and can take a sync over `transport` in one
-        call (`sync_weights`): ours (hf here, vLLM in its workers) over both transports, SGLang over ipc only (our
-        receiver in its scheduler); SGLang over broadcast is fed bucket by bucket through its own API
-        (engines/base.streams_over)."""
+        call (`sync_weights`): ours (hf here, vLLM in its workers, single-GPU SGLang in its scheduler) over both
+        transports; tensor-parallel SGLang is fed bucket by bucket through its own API (engines/base.streams_over)."""
         return streams_over(self.engine, transport)
 
     def connect_stream(self, buffer_handles, timeout_s: float) -> bytes:

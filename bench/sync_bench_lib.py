@@ -169,6 +169,11 @@ class HostState:
         self.verify = verify
         return self.engine.setup_receiver(layouts, group, rank, verify, TIMEOUT_S)
 
+    def own_group(self, group, rank):
+        """SGLang: join a second group through its own API, for its own calls (one_call, naive), where our receiver in
+        its scheduler holds the sync group."""
+        self.engine.join_own_group(group, rank)
+
     def connect_stream(self, handles):
         return self.engine.connect_stream(handles, TIMEOUT_S)
 

@@ -85,7 +85,7 @@ class Case:
     def __init__(self, tr: Trainer, placement: str, spec: str, args, pool: Pool):
         self.tr, self.placement, self.spec, self.args = tr, placement, spec, args
         self.coloc, self.verify, self.sync_id, self.last = placement == "colocated", not args.no_verify, 0, None
-        self.group, self.fgroups, self.sender = None, {}, None
+        self.group, self.own_group, self.fgroups, self.sender = None, None, {}, None
         tps = parse_receivers(spec)
         self.gpus, nxt = [], 1
         for tp in tps:
@@ -150,6 +150,16 @@ class Case:
         for h in hosts.values():
             h.get()
         self.sender = WeightSender(tr.layouts, tr.dev, ipc, self.group, self.verify, bcast_sums=bcast_sums, timeout_s=TIMEOUT_S)
+        a = self.args
+        if a.engine == "sglang" and group is not None and bcast_sums and (a.naive or not a.no_one_call):
+            # Our receiver in SGLang's scheduler holds our group; SGLang's own calls need a group SGLang joined itself.
+            own = {**group, "port": free_port(HOST), "sums": False}
+            for n, r in plan.routes.items():
+                hosts[n].send("own_group", own, r.group_ranks[0])
+            self.own_group = BroadcastGroup(own["backend"], HOST, own["port"], 0, own["world_size"], TIMEOUT_S, tr.dev)
+            self.own_group.warmup()
+            for h in hosts.values():
+                h.get()
         for e in ipc:
             if streams[e]:
                 self.sender.attach_mailbox(e, hosts[e].call("connect_stream", self.sender.buffer_handles()))
@@ -250,8 +260,9 @@ class Case:
         for h in self.engines.values():
             h.send(cmd, *args)
         if not self.coloc:
+            group = self.own_group or self.group
             for t in self.tr.params.values():
-                self.group.broadcast(t)
+                group.broadcast(t)
             self.tr.sync()
         for h in self.engines.values():
             h.get()
@@ -342,11 +353,11 @@ class Case:
     def close(self):
         for h in self.floors:
             h.send("drop")
-        for g in list(self.fgroups.values()) + ([self.group] if self.group else []):
+        for g in list(self.fgroups.values()) + [g for g in (self.group, self.own_group) if g]:
             g.destroy()
         for h in self.floors:
             h.get(60)
-        self.fgroups, self.group, self.sender = {}, None, None
+        self.fgroups, self.group, self.own_group, self.sender = {}, None, None, None
         gc.collect()
         if self.tr.dev.type == "cuda":
             torch.cuda.empty_cache()

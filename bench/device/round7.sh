@@ -10,6 +10,8 @@
 #                                       # colocated rounds at 1B and 8B
 #   bash bench/device/round7.sh sgtests # SGLang staged, 2 GPUs: the copy-and-checksum GPU tests (one runs a plan and a
 #                                       # send while the other GPU is current) and the SGLang GPU tests, in one pytest
+#   bash bench/device/round7.sh sgstream # SGLang staged, 2 GPUs: SGLang's engine GPU tests (our receiver in its
+#                                       # scheduler over NCCL), then the disaggregated rounds at 1B and 8B again
 # Files in $OUT: gpus.txt, one log per job, tables, a tar of the fault run's records.
 set -uo pipefail
 RLHF_ORCH_LOG_LEVEL=INFO; . bench/device/env.sh
@@ -54,5 +56,14 @@ case "${1:-}" in
       -o addopts="-ra" tests/gpu/test_copysum_gpu.py tests/gpu/test_sglang_engine.py tests/gpu/test_sglang_streaming.py \
       > "$OUT/sgtests.log" 2>&1; echo "== sgtests exit $?"
     grep -vE "^\s*$|Warning|warn\(" "$OUT/sgtests.log" | tail -15 ;;
-  *) echo "usage: $0 fault|sglang|sgtests"; exit 2 ;;
+  sgstream)
+    export PYTHONPATH=/tmp/site-sglang:$PWD:$PWD/tests RLHF_ORCH_LOG_LEVEL=WARNING
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      -o addopts="-ra" tests/gpu/test_sglang_engine.py > "$OUT/sgengine.log" 2>&1; echo "== sglang engine tests exit $?"
+    grep -vE "^\s*$|Warning|warn\(" "$OUT/sgengine.log" | grep -E "passed|failed|Error|^E " | tail -12
+    CUDA_VISIBLE_DEVICES=0,1 timeout -k 10 "${DIS_TIMEOUT:-200}" python3 bench/weight_sync.py --engine sglang \
+      --placements disaggregated --models llama-3.2-1b llama-3.1-8b --repeats 10 --out "$OUT/sglang_disagg.md" \
+      --json "$OUT/sglang_disagg.json" > "$OUT/sglang_disagg.log" 2>&1; echo "== sglang disagg exit $?"
+    grep -E "^\||Traceback|Error" "$OUT/sglang_disagg.log" | tail -14 ;;
+  *) echo "usage: $0 fault|sglang|sgtests|sgstream"; exit 2 ;;
 esac

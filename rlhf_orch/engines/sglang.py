@@ -12,8 +12,9 @@ Generation is one `Engine.generate(input_ids=..., return_logprob=True)` call; ea
 (srt/layers/sampler.py:189-227): the trainer's log_softmax(logits / T); top-p/top-k only shape the sampling,
 not the returned logprob. Greedy (T=0) returns log_softmax(logits). We refuse to start with that variable set.
 
-Weight sync (docs/sglang_api_notes.md): colocated, a single-GPU engine takes a whole sync in one call, with our
-receiver running in the scheduler (sglang_stream.py); otherwise through SGLang's own APIs, bucket by bucket:
+Weight sync (docs/sglang_api_notes.md): a single-GPU engine takes a whole sync in one call on either transport, with
+our receiver running in the scheduler (sglang_stream.py); a tensor-parallel one (or any, with verification off)
+through SGLang's own APIs, bucket by bucket:
 - broadcast: `init_weights_update_group` joins our group (rank = rank_offset + TP rank), then one
   `update_weights_from_distributed(load_format="flattened_bucket")` call per bucket. SGLang packs its
   receive buffer tightly in request order (weight_sync/tensor_bucket.py:50-72); our buckets have 256-byte
@@ -48,7 +49,7 @@ from typing import Any, Sequence
 import torch
 
 from rlhf_orch.engines.base import WAKE_TAGS, EngineLifecycle, per_prompt_params
-from rlhf_orch.engines.sglang_stream import HOOK, ColocatedStream, stream_request, write_report
+from rlhf_orch.engines.sglang_stream import HOOK, SchedulerStream, stream_request, write_report
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample, dtype_from_name
 from rlhf_orch.weight_sync.buckets import BucketLayout, checksums
@@ -65,8 +66,9 @@ _WARMUP = "rlhf_orch.warmup"
 # ---- inside every SGLang scheduler process ----------------------------------------------------------
 def rlhf_sglang_hook(model, named_tensors) -> None:
     """custom_weight_loader entry (weight_updater.py:346-348), called with one empty tensor whose name is the request:
-    "rlhf_orch.install:<json config>" installs the recording load_weights wrapper; "rlhf_orch.connect:..." and
-    "rlhf_orch.stream:..." serve a colocated sync in one call (sglang_stream.py); anything else is refused."""
+    "rlhf_orch.install:<json config>" installs the recording load_weights wrapper; "rlhf_orch.connect:...",
+    "rlhf_orch.join:..." and the per-sync requests serve a sync in one call (sglang_stream.py); anything else is
+    refused."""
     for name, _ in named_tensors:
         if name.startswith(_INSTALL):
             from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -81,8 +83,9 @@ def install(model, cfg: dict, rank: int, uuid: str) -> None:
     old = getattr(model, "_rlhf_state", None)
     orig = old["orig"] if old else model.load_weights
     state = {"orig": orig, "dir": cfg["dir"], "verify": bool(cfg["verify"]), "seq": 0, "rank": rank, "uuid": uuid}
-    if old and "stream" in old:   # the colocated stream outlives a re-install (a new one replaces it at connect)
-        state["stream"] = old["stream"]
+    for key in ("stream", "transport", "abort", "abort_path"):   # our receiver and its abort flag outlive a
+        if old and key in old:                                     # re-install (a re-plan makes a new receiver)
+            state[key] = old[key]
     object.__setattr__(model, "_rlhf_state", state)
     object.__setattr__(model, "load_weights", partial(_load_and_record, state))
     _report(state, {"sums": [], "load_s": 0.0, "verify_s": 0.0})
@@ -146,7 +149,7 @@ class _Reduce:
 
 
 # ---- the engine (in the rollout actor) ---------------------------------------------------------------
-class SGLangEngine(ColocatedStream, EngineLifecycle):
+class SGLangEngine(SchedulerStream, EngineLifecycle):
     checksums_mode = "received"   # checksums describe received tensors (see the module doc)
     weight_loaders: tuple[str, ...] = (HOOK,)   # SGLang's custom_weight_loader allow-list
 
@@ -170,7 +173,8 @@ class SGLangEngine(ColocatedStream, EngineLifecycle):
         self._layouts: list[BucketLayout] = []
         self._requests: list[tuple] = []
         self._meta: dict[int, list] = {}
-        self._group = False
+        self._group = False               # joined our group through SGLang's own API (bucket by bucket)
+        self._bstream = False             # joined it with our receiver in the scheduler (one call per sync)
         self._verify = True
         self._loads = 0                   # load_weights calls since the hook was (re)installed
         self._sums: dict[str, int] = {}
@@ -303,9 +307,10 @@ class SGLangEngine(ColocatedStream, EngineLifecycle):
     # ---- weight sync (the actor shell forwards these) --------------------------------------------------
     def setup_receiver(self, layouts, group: dict | None, rank_offset: int, verify: bool, timeout_s: float,
                        replay: bool = True, abort_flag: str | None = None) -> float:
-        """Install the hook; with `group`, join it (TP rank k as rank_offset + k) and warm it up. Returns seconds.
-        `replay` applies to the colocated stream (sglang_stream.py); broadcast loads through SGLang's own API.
-        `abort_flag`: the rollout actor's (`aborts_syncs`), which the stream's receiver in the scheduler polls."""
+        """Install the hook; with `group`, join it and warm it up. Returns seconds. A single-GPU engine whose syncs the
+        coordinator streams (`group["sums"]`: the trainer's checksums follow the buckets) joins with our receiver in
+        its scheduler (sglang_stream.py); otherwise SGLang's own API joins (TP rank k as rank_offset + k). `replay`
+        applies to our receiver. `abort_flag`: the rollout actor's (`aborts_syncs`), which that receiver polls."""
         self._need_weights_awake("setup_receiver")
         t0 = time.perf_counter()
         if abort_flag:
@@ -317,26 +322,39 @@ class SGLangEngine(ColocatedStream, EngineLifecycle):
         self._meta = {}
         self.close()
         self._install(verify)
-        if group is not None:
-            if group["backend"] != "nccl":
-                raise EngineError(f"engine {self.name}: SGLang receives weights over nccl only, not {group['backend']!r}")
-            self._call("init_weights_update_group", self.engine.init_weights_update_group, master_address=group["host"],
-                       master_port=int(group["port"]), rank_offset=int(rank_offset), world_size=int(group["world_size"]),
-                       group_name=GROUP_NAME, backend="nccl")
-            self._group = True
-            # First collective on a fresh communicator pays NCCL setup: do it now, through SGLang's own path.
-            self._call("warm-up broadcast", self.engine.update_weights_from_distributed, names=[_WARMUP],
-                       dtypes=["uint8"], shapes=[[8]], group_name=GROUP_NAME, flush_cache=False, load_format="flattened_bucket")
-            _, recs = self._after_load([], False)
-            if not all(r.get("warmup_ok") for r in recs):
-                raise EngineError(f"engine {self.name}: the warm-up broadcast delivered wrong bytes")
-            logger.info("engine %s: joined the weight-sync group as ranks %d..%d of %d", self.name, rank_offset,
-                        rank_offset + self.tensor_parallel_size - 1, group["world_size"])
+        self._bstream = False
+        if group is not None and group.get("sums") and self.tensor_parallel_size == 1:
+            # The coordinator streams to us (capabilities.streams): our receiver in the scheduler, one call per sync.
+            self.join_stream_group(group, rank_offset, timeout_s)
+            self._bstream = True
+        elif group is not None:
+            self.join_own_group(group, rank_offset)
         return time.perf_counter() - t0
 
+    def join_own_group(self, group: dict, rank_offset: int) -> None:
+        """Join `group` through SGLang's own `init_weights_update_group` (TP rank k as rank_offset + k) and warm it up:
+        the bucket-by-bucket path, and SGLang's own calls that the benchmark compares with."""
+        if group["backend"] != "nccl":
+            raise EngineError(f"engine {self.name}: SGLang receives weights over nccl only, not {group['backend']!r}")
+        self._call("init_weights_update_group", self.engine.init_weights_update_group, master_address=group["host"],
+                   master_port=int(group["port"]), rank_offset=int(rank_offset), world_size=int(group["world_size"]),
+                   group_name=GROUP_NAME, backend="nccl")
+        self._group = True
+        # First collective on a fresh communicator pays NCCL setup: do it now, through SGLang's own path.
+        self._call("warm-up broadcast", self.engine.update_weights_from_distributed, names=[_WARMUP],
+                   dtypes=["uint8"], shapes=[[8]], group_name=GROUP_NAME, flush_cache=False, load_format="flattened_bucket")
+        _, recs = self._after_load([], False)
+        if not all(r.get("warmup_ok") for r in recs):
+            raise EngineError(f"engine {self.name}: the warm-up broadcast delivered wrong bytes")
+        logger.info("engine %s: joined the weight-sync group as ranks %d..%d of %d", self.name, rank_offset,
+                    rank_offset + self.tensor_parallel_size - 1, group["world_size"])
+
     def receive_broadcast(self, verify: bool = True, sync_id: int = 0) -> tuple[list[int], dict[str, float]]:
-        """One update_weights_from_distributed call per bucket; returns (checksums, seconds per phase). `sync_id` is
-        not used: SGLang's own receive reads no abort flag (it ends at its group's timeout, or when rank 0 leaves)."""
+        """A whole sync over broadcast; returns (checksums, seconds per phase). Single-GPU: one call, our receiver in
+        the scheduler (it polls the abort flag of sync `sync_id`). Otherwise one update_weights_from_distributed call
+        per bucket (`sync_id` unused: SGLang's own receive ends at its group's timeout, or when rank 0 leaves)."""
+        if self._bstream:
+            return self.receive_broadcast_stream(sync_id, verify)
         self._need_weights_awake("receive_broadcast")
         if not self._group:
             raise EngineError(f"engine {self.name}: receive_broadcast before setup_receiver with a group")

@@ -1,5 +1,6 @@
 """The SGLang engine on a GPU: the engine contract, then our weight sync into it through SGLang's own APIs,
-over NCCL (trainer tensors on GPU 1, SGLang on GPU 0; `update_weights_from_distributed`, flattened buckets)
+over NCCL (trainer tensors on GPU 1, SGLang on GPU 0; `update_weights_from_distributed`, flattened buckets; and our
+receiver in the scheduler taking a whole sync in one call, engines/sglang_stream.py)
 and CUDA IPC (both on GPU 0; `update_weights_from_tensor`, flattened buckets, a call per bucket; and the one-call
 stream of engines/sglang_stream.py), checked by checksum and by the engine's logprobs matching an independent
 forward of the new weights. Needs SGLang 0.5.17 (its own folder):
@@ -49,58 +50,58 @@ def _check_logprobs(engine, model_dir, version):
     assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(ref), atol=0.05), (s.logprobs, ref)
 
 
-@pytest.mark.parametrize("placement", ["nccl", "ipc"])
+@pytest.mark.parametrize("placement", ["nccl", "nccl_stream", "ipc"])
 def test_sync_into_sglang(engine, dirs, placement):
+    """nccl: SGLang's own group and one update_weights_from_distributed call per bucket (the tensor-parallel path);
+    nccl_stream: our receiver in the scheduler joins the group and takes each sync in one call, checking the
+    trainer's checksums that follow the buckets; ipc: one update_weights_from_tensor call per bucket."""
     from rlhf_orch.weight_sync.collective import BroadcastGroup
     from rlhf_orch.types import ParamSpec, dtype_name
     from rlhf_orch.weight_sync import WeightSender, plan_buckets
     from rlhf_orch.weight_sync.collective import free_port
-    if placement == "nccl" and torch.cuda.device_count() < 2:
+    bcast = placement.startswith("nccl")
+    if bcast and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    target = dirs[1] if placement == "nccl" else dirs[0]     # each test moves the engine to other weights
-    dev = torch.device("cuda", 1 if placement == "nccl" else 0)
+    # each case moves the engine to other weights than the case before
+    target, version = {"nccl": (dirs[1], 2), "nccl_stream": (dirs[0], 3), "ipc": (dirs[1], 4)}[placement]
+    dev = torch.device("cuda", 1 if bcast else 0)
     weights = [(n, t.to(dev)) for n, t in named_weights(target, torch.bfloat16)]
     layouts = plan_buckets([ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in weights], 64 * 1024)
     assert len(layouts) >= 3
     engine.pause()
-    if placement == "nccl":
-        port, box = free_port("127.0.0.1"), {}
+    if bcast:
+        port, box, stream = free_port("127.0.0.1"), {}, placement == "nccl_stream"
 
         def trainer_side():
             try:
                 g = BroadcastGroup("nccl", "127.0.0.1", port, 0, 2, 120, dev)
                 g.warmup()                     # meets the engine's warm-up call inside setup_receiver
-                box["sender"] = WeightSender(layouts, dev, [], g)
+                box["sender"] = WeightSender(layouts, dev, [], g, bcast_sums=stream)
             except Exception as e:             # surfaced by the assert below, not lost in the thread
                 box["error"] = e
         t = threading.Thread(target=trainer_side)
         t.start()
-        secs = engine.setup_receiver(layouts, {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 2},
-                                     1, True, 120)
+        secs = engine.setup_receiver(layouts, {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 2,
+                                               "sums": stream}, 1, True, 120)
         t.join(120)
         assert "sender" in box, box.get("error")
-        assert secs > 0
-        res = {}
-        t = threading.Thread(target=lambda: res.update(r=box["sender"].send(iter(weights), 2)))
-        t.start()
-        got, metrics = engine.receive_broadcast(True)
-        t.join(120)
-        sent = res["r"]
-        assert got == sent.checksums
-        assert {"load_s", "total_s", "transfer_s"} <= set(metrics)
-        # A second sync over the same (warm) group: the path every later training step takes.
-        t = threading.Thread(target=lambda: res.update(r=box["sender"].send(iter(weights), 2)))
-        t.start()
-        got, _ = engine.receive_broadcast(True)
-        t.join(120)
-        assert got == res["r"].checksums
+        assert secs > 0 and engine._bstream == stream
+        for sync_id in (1, 2):   # the second over the same (warm) group: the path every later training step takes
+            res = {}
+            t = threading.Thread(target=lambda: res.update(r=box["sender"].send(iter(weights), version, sync_id=sync_id)))
+            t.start()
+            got, metrics = engine.receive_broadcast(True, sync_id)
+            t.join(120)
+            sent = res["r"]
+            assert got == sent.checksums
+            assert {"load_s", "total_s"} <= set(metrics) and (stream or "transfer_s" in metrics)
     else:
         engine.setup_receiver(layouts, None, 0, True, 120)
         sender = WeightSender(layouts, dev, ["s"])
-        sent = sender.send(iter(weights), 3, deliver=lambda e, h, i, v: engine.receive_ipc(h, i, True), wait=lambda x: x)
+        sent = sender.send(iter(weights), version, deliver=lambda e, h, i, v: engine.receive_ipc(h, i, True),
+                           wait=lambda x: x)
         assert sent.engine_checksums["s"] == sent.checksums
     assert engine.checksums([n for n, _ in weights]) == sent.checksums
-    version = 2 if placement == "nccl" else 3
     engine.finish_sync(version)
     engine.resume()
     _check_logprobs(engine, target, version)

@@ -34,14 +34,14 @@ def test_vllm_kinds_declare_their_receivers_and_streaming():
                                      concurrent_generate=True)
 
 
-@pytest.mark.parametrize("tp, streams, aborts", [(1, {"ipc"}, True), (2, set(), False)])
+@pytest.mark.parametrize("tp, streams, aborts", [(1, {"ipc", "broadcast"}, True), (2, set(), False)])
 def test_sglang_capabilities_follow_its_tensor_parallelism(tp, streams, aborts):
     eng = object.__new__(SGLangEngine)
     eng.tensor_parallel_size = tp
     caps = eng.capabilities
     assert caps.own_receivers and caps.streams == streams and caps.aborts_syncs == aborts
     assert not caps.partial_rollouts and not caps.concurrent_generate
-    assert streams_over(eng, "ipc") == (tp == 1) and not streams_over(eng, "broadcast")
+    assert streams_over(eng, "ipc") == streams_over(eng, "broadcast") == (tp == 1)
 
 
 def test_tensor_parallel_engine_stays_off_multicast_where_the_cluster_turned_it_off(monkeypatch):

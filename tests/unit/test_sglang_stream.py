@@ -1,8 +1,9 @@
-"""The colocated one-call sync into SGLang (engines/sglang_stream.py), with SGLang's scheduler stood in for.
+"""The one-call sync into SGLang (engines/sglang_stream.py), colocated and over broadcast, with SGLang's scheduler
+stood in for.
 
-What is real: our WeightSender on CPU shared-memory ring buffers, the mailbox, the WeightReceiver and load replay
-that the hook builds, the hook's request dispatch (`rlhf_sglang_hook`) and its report files, and the engine side
-(`ColocatedStream` as SGLangEngine mixes it in). What stands in: SGLang's `update_weights_from_tensor`, which calls
+What is real: our WeightSender on CPU shared-memory ring buffers or a gloo broadcast group, the mailbox, the
+WeightReceiver and load replay that the hook builds, the hook's request dispatch (`rlhf_sglang_hook`) and its report
+files, and the engine side (`SchedulerStream` as SGLangEngine mixes it in). What stands in: SGLang's `update_weights_from_tensor`, which calls
 the custom loader named by `load_format` with the model (as weight_updater.py:346 does), and a toy model whose
 `load_weights` fuses q and k into one parameter the way SGLang's Llama does. The same path runs against SGLang 0.5.17
 on a GPU in tests/gpu/test_sglang_engine.py (the `ipc_stream` case).
@@ -16,10 +17,11 @@ import pytest
 import torch
 
 from rlhf_orch.engines.sglang import SGLangEngine, install
-from rlhf_orch.engines.sglang_stream import HOOK, ColocatedStream
+from rlhf_orch.engines.sglang_stream import HOOK, SchedulerStream
 from rlhf_orch.errors import EngineError, WeightSyncError
 from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.buckets import checksums, plan_buckets
+from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
 from rlhf_orch.weight_sync.sender import WeightSender
 from weight_sync_helpers import CPU, assert_bit_equal, spec
 
@@ -57,7 +59,7 @@ class FakeSGLang:
         return True, "Success"
 
 
-class Engine(ColocatedStream):
+class Engine(SchedulerStream):
     """SGLangEngine's state that the stream uses, and its own `_call`/`_reports`."""
     _call = SGLangEngine._call
     _reports = SGLangEngine._reports
@@ -109,7 +111,7 @@ def _send(sender, values, sync_id):
 
 def test_two_syncs_in_one_call_each_then_replayed_copies_follow_the_weights(tmp_path):
     model, eng, sender = _setup(tmp_path)
-    assert eng.capabilities.streams == {"ipc"}
+    assert eng.capabilities.streams == {"ipc", "broadcast"}
     for sync_id in (1, 2, 3):
         if sync_id == 3:   # re-installing the load wrapper (verify off for SGLang's own calls) keeps the stream
             install(model, {"dir": str(tmp_path), "verify": False}, 0, "cpu")
@@ -191,3 +193,91 @@ def test_an_aborted_sync_ends_the_schedulers_receive_at_once(tmp_path):
     t.join(10)
     assert "SyncAborted" in out["error"] and out["t"] - t0 < 2.0, out
     assert not model._rlhf_state["abort"].aborted(8)   # the scheduler's view of the flag: only sync 7 is aborted
+
+
+# ---- over broadcast: our receiver in the scheduler joins the group, one call per sync ---------------------------
+def _setup_broadcast(tmp_path, corrupt=None, abort_flag=None):
+    layouts = plan_buckets(MODEL, BUCKET)
+    model = ToyModel(corrupt)
+    install(model, {"dir": str(tmp_path), "verify": True}, 0, "cpu")
+    eng = Engine(model, tmp_path, layouts)
+    if abort_flag is not None:
+        eng.keep_abort_flag(abort_flag.handle())
+        abort_flag.unlink()
+    port, box = free_port("127.0.0.1"), {}
+
+    def trainer():   # rank 0: as the trainer actor's setup_sender
+        g = BroadcastGroup("gloo", "127.0.0.1", port, 0, 2, 10, CPU)
+        g.warmup()
+        box["sender"] = WeightSender(layouts, CPU, [], g, verify=True, bcast_sums=True, timeout_s=10)
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    secs = eng.join_stream_group({"backend": "gloo", "host": "127.0.0.1", "port": port, "world_size": 2, "sums": True},
+                                 1, 10)
+    t.join(20)
+    assert secs > 0 and "sender" in box
+    return model, eng, box["sender"]
+
+
+def _bsync(eng, sender, values, sync_id):
+    out = {}
+    t = threading.Thread(target=lambda: out.update(sent=_send(sender, values, sync_id)))
+    t.start()
+    try:
+        return eng.receive_broadcast_stream(sync_id), out
+    finally:
+        t.join(20)
+
+
+def test_broadcast_syncs_in_one_call_each_verified_in_the_scheduler_then_replayed(tmp_path):
+    model, eng, sender = _setup_broadcast(tmp_path)
+    for sync_id in (1, 2, 3):
+        values = _values(20 + sync_id)
+        (sums, timings), out = _bsync(eng, sender, values, sync_id)
+        want = checksums(values[s.name] for s in MODEL)
+        assert out["sent"].checksums == want and sums == want
+        assert set(timings) == {"load_s", "total_s"}
+        assert_bit_equal(model.qkv.data, torch.cat([values["q"], values["k"]]), f"qkv after sync {sync_id}")
+        assert_bit_equal(model.w.data, values["w"], "w")
+        assert_bit_equal(model.b.data, values["b"], "b")
+    assert eng.checksums([s.name for s in MODEL]) == want
+    status = model._rlhf_state["stream"].replay.status()
+    assert status["replayed"] == list(range(len(eng._layouts))) and not status["loader"]
+    with pytest.raises(EngineError, match="no ipc stream in this scheduler"):
+        eng.receive_stream(4)   # this scheduler's receiver is a broadcast one
+
+
+def test_a_mangled_broadcast_load_fails_the_sync_in_the_scheduler(tmp_path):
+    model, eng, sender = _setup_broadcast(tmp_path, corrupt="w")
+    err = None
+    try:
+        _bsync(eng, sender, _values(1), 1)
+    except EngineError as e:
+        err = str(e)
+    assert err and "differ from the trainer's" in err and "'w'" in err
+
+
+def test_an_aborted_broadcast_sync_ends_the_schedulers_receive_at_once(tmp_path):
+    """Issue #33 on SGLang over broadcast: SGLang's own receive waits for its group's timeout; ours in the scheduler
+    polls the abort flag, so a sync whose trainer side never sends ends in milliseconds, not at the 10 s deadline."""
+    flag = AbortFlag.create()
+    model, eng, sender = _setup_broadcast(tmp_path, abort_flag=flag)
+    # A re-plan re-installs the load wrapper first (setup_receiver): the receiver and its abort flag must survive it.
+    install(model, {"dir": str(tmp_path), "verify": True}, 0, "cpu")
+    assert model._rlhf_state["abort"] is not None and model._rlhf_state["transport"] == "broadcast"
+    out = {}
+
+    def receive():
+        try:
+            eng.receive_broadcast_stream(9)
+        except EngineError as e:
+            out["error"], out["t"] = str(e), time.monotonic()
+
+    t = threading.Thread(target=receive)
+    t.start()
+    time.sleep(0.3)            # waiting for bucket 0, which no trainer sends
+    t0 = time.monotonic()
+    flag.abort(9)
+    t.join(10)
+    assert "SyncAborted" in out["error"] and out["t"] - t0 < 2.0, out
