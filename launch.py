@@ -9,8 +9,8 @@ take the step's batch from the rollout manager (generated and scored as groups
 finish, see actors/rollout_manager.py) -> train -> sync -> (evaluate: eval.every) -> log/checkpoint. With
 rollout.max_staleness 0 the manager starts a step's groups only after the previous sync: the synchronous loop
 exactly. With k >= 1 the engines keep generating for later steps while the trainer trains, and each sync runs
-while the trainer trains the next step (weight_sync.overlap, actors/overlap.py). Colocated runs hand each shared GPU
-from trainer to engines before generate and back after it (actors/colocation.py); metrics, plots, the timeline and a
+while the trainer trains the next step (weight_sync.overlap, driver/overlap.py). Colocated runs hand each shared GPU
+from trainer to engines before generate and back after it (driver/colocation.py); metrics, plots, the timeline and a
 checkpoint are written in `finally`, so a failed run still leaves them readable. summary.json is written before Ray
 stops, and the run ends with a short report of it (rlhf_orch/report.py).
 """
@@ -149,7 +149,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
     import torch
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
-    from actors.builder import Cluster   # Ray, and below torch: only once a run starts
+    from driver.cluster import Cluster   # Ray, and below torch: only once a run starts
     from rlhf_orch.rollout_utils import reward_summary, warm_start_pairs
     from rlhf_orch.checkpoint import CheckpointPolicy
     from rlhf_orch.evaluation import eval_set_for, last_eval
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
 def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set) -> int:
     """The run with its automatic restarts from the latest checkpoint; writes summary.json; returns the exit code."""
     from rlhf_orch.checkpoint import checkpoint_dir, find_good   # torch
-    from actors.ray_session import stop_ray   # imports Ray (seconds): not at the top, so --help stays instant
+    from driver.ray_session import stop_ray   # imports Ray (seconds): not at the top, so --help stays instant
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     _STOPPING.clear()   # a fresh run in this process (tests call main() more than once)
@@ -325,7 +325,7 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
             break
         except RLHFOrchError as e:
             # A dead trainer rank, reward worker or manager: restart from the latest good checkpoint (a dead
-            # coordinator is replaced in place, actors/recovery.py).
+            # coordinator is replaced in place, driver/recovery.py).
             if is_actor_death(e) and len(restarts) < cfg.fault_tolerance.max_run_restarts and not _STOPPING:
                 restarts.append({"t": time.time(), "error": str(e).splitlines()[0][:500]})
                 faults.extend(summary.get("faults", []))

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING
 
 import ray
 
 from actors.common import actor_env, get, setup_process
-from actors.placement import Placement
 from rlhf_orch.config.schema import ExperimentConfig
 from rlhf_orch.errors import TrainerError
 from rlhf_orch.gpu_memory import process_memory, stats, with_peak
@@ -27,6 +27,9 @@ from rlhf_orch.types import TrainBatch
 from rlhf_orch.weight_sync import WeightSender
 from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
+
+if TYPE_CHECKING:   # the driver's placement, for the annotation only: actors/ never imports driver/
+    from driver.placement import Placement
 
 
 # health and abort_sync answer while a call runs; "sync" sends staged weights while the next step trains

@@ -40,8 +40,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
-from actors.builder import Cluster  # noqa: E402
-from actors.ray_session import stop_ray  # noqa: E402
+from driver.cluster import Cluster  # noqa: E402
+from driver.ray_session import stop_ray  # noqa: E402
 from bench.shapes import SHAPES  # noqa: E402
 from rlhf_orch.config import load_config  # noqa: E402
 from rlhf_orch.data import PromptDataset, load_rows  # noqa: E402

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args.command = argv[0]
     if str(ROOT) not in sys.path:
         # The sys.path `python launch.py` has (its folder first): reward functions such as tests.ppo_rewards:... import
-        # in the driver as they do in the workers, which get the checkout on PYTHONPATH (actors/builder.py).
+        # in the driver as they do in the workers, which get the checkout on PYTHONPATH (driver/cluster.py).
         sys.path.insert(0, str(ROOT))
     run_argv = ["--config", args.config, *args.overrides]
     if args.command == "train":

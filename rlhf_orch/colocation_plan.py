@@ -17,7 +17,7 @@ are its torch allocator's reserved bytes (what it holds from the device); the en
 device's used memory (their weights, KV cache and workspace, plus every CUDA context on the device, the trainer's
 included), so nothing is left out and nothing is counted twice.
 
-It takes numbers only (no Ray, no torch.cuda): measuring them is actors/colocation.py's job (TrainerActor's
+It takes numbers only (no Ray, no torch.cuda): measuring them is driver/colocation.py's job (TrainerActor's
 torch readings at three points of the first step), and so is carrying the plan out.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ reproducible, do not depend on how prompts are split over engines, and never dra
 (the training stream). `aggregate` turns per-sample rewards into the `eval/` metrics, with the unbiased pass@k
 estimator of the Codex paper (Chen et al. 2021): 1 - C(n - c, k) / C(n, k) for c passing samples of n.
 
-This module is pure: no Ray, no engines. actors/evaluation.py runs an evaluation on the cluster.
+This module is pure: no Ray, no engines. driver/evaluation.py runs an evaluation on the cluster.
 """
 from __future__ import annotations
 

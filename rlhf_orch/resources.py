@@ -1,6 +1,6 @@
 """What a run's placement group asks for, and whether a machine or a cluster can give it.
 
-One bundle per device slot (actors/placement.py builds the placement group from `bundle_resources`): trainer rank r
+One bundle per device slot (driver/placement.py builds the placement group from `bundle_resources`): trainer rank r
 is bundle r, a colocated engine shares a rank's bundle, a dedicated engine has one bundle of
 `tensor_parallel_size` GPUs. On cuda a bundle is {GPU: n, CPU: 1}; on cpu a bundle stands in for a device and
 takes CPU_SLOT logical CPUs, so 2 ranks + 2 engines fit in one core's worth (the configs' ray.num_cpus=2 on a
@@ -9,7 +9,7 @@ workers (one GPU each) on cuda ask Ray outside the bundles (`outside_gpus`); the
 
 `fit_problem` compares the demand with what is offered and says both, in one line naming the fields to change.
 It is called before Ray for a local run (launch.py: the machine's CPUs and GPUs) and right after ray.init for a
-cluster (actors/placement.py: ray.cluster_resources()), so a run that cannot fit fails in seconds instead of
+cluster (driver/placement.py: ray.cluster_resources()), so a run that cannot fit fails in seconds instead of
 after a placement-group wait of ray.get_timeout_s. No Ray import here.
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ def fit_problem(cfg, cpus: float, gpus: float, where: str, largest_node_gpus: fl
 
 def local_fit_problem(cfg, environ=None) -> str | None:
     """The check of a run that starts its own Ray on this machine; None when it joins a cluster (checked by
-    actors/placement.py once Ray is up) or fits."""
+    driver/placement.py once Ray is up) or fits."""
     environ = os.environ if environ is None else environ
     if cfg.ray.address or environ.get("RAY_ADDRESS"):
         return None

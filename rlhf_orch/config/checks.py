@@ -74,7 +74,7 @@ def engines_that_cannot_stop(cfg: ExperimentConfig) -> list[tuple[int, str, str]
 
 
 def overlap_allowed(overlap: bool | str, max_staleness: int) -> bool:
-    """weight_sync.overlap's own rule: true, or auto at max_staleness >= 1 (actors/overlap.py also needs no GPU
+    """weight_sync.overlap's own rule: true, or auto at max_staleness >= 1 (driver/overlap.py also needs no GPU
     hand-over at run time)."""
     return overlap is True or (overlap == "auto" and max_staleness >= 1)
 

@@ -432,7 +432,7 @@ class MetricsSection(_Section):
 
 
 class EvalSection(_Section):
-    """Evaluation of the policy during and at the end of a run (rlhf_orch/evaluation.py, actors/evaluation.py): at a
+    """Evaluation of the policy during and at the end of a run (rlhf_orch/evaluation.py, driver/evaluation.py): at a
     step boundary, after the sync, the engines answer a fixed set of held-out prompts with the just-trained weights and
     the reward workers score them. It never touches the training stream (data order, the engines' sampling RNG)."""
     every: int = Field(0, ge=0, description="Evaluate after every N steps (0: off; a run with it off is unchanged).")

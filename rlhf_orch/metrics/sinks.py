@@ -3,7 +3,7 @@
 Metrics are flat namespaced dicts of python numbers (`{"rollout/reward_mean": 0.4, ...}`) written
 only by the driver. This module provides a JSON-lines file (the run's durable record, read back by
 `read_jsonl` for plots and resume), TensorBoard, the gauge names Ray custom metrics use (the Ray sink itself is
-actors/metrics_sink.py: rlhf_orch never imports Ray), and a fan-out that keeps a run alive when one destination
+driver/metrics_sink.py: rlhf_orch never imports Ray), and a fan-out that keeps a run alive when one destination
 fails.
 
 What it deliberately does not do: aggregate, smooth or buffer metrics (every write goes straight

@@ -17,7 +17,7 @@ config.json (written by DeepSpeedTrainer._export_hf) it gets:
 file where the config was loaded) and travels to the trainer ranks; rank 0 writes. Only the policy is exported:
 the critic (trainer/critic.py) is a value head that no engine serves and is kept in the DeepSpeed checkpoint only.
 This module neither gathers weights nor decides where or when a checkpoint is written (deepspeed_trainer.py,
-actors/builder.py).
+driver/cluster.py).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ start-up, so for ZeRO-3 those two parts are moved here with DeepSpeed's own help
 
 Each call returns flat metrics: seconds, and for an offload the GiB of this process's torch allocation it
 freed (whole-device readings, which also count a vLLM engine on the same GPU, are taken by
-actors/colocation.py for every GPU at once). On CPU the "offload" is a CPU-to-CPU move: it exercises the bookkeeping (tests prove
+driver/colocation.py for every GPU at once). On CPU the "offload" is a CPU-to-CPU move: it exercises the bookkeeping (tests prove
 training after a round trip is unchanged) and frees nothing.
 
 `Offloadable` is the bookkeeping every colocated DeepSpeed role shares (the policy rank, the critic inside it):

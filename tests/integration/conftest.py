@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from actors.ray_session import init_ray
+from driver.ray_session import init_ray
 
 
 def _all_shared(items) -> bool:

@@ -31,7 +31,7 @@ EVAL = ["eval.every=2", "eval.max_prompts=8"] if "eval" in ExperimentConfig.mode
 
 
 def cpu_cannot_export(name: str) -> bool:
-    """mem/ gauges are read from CUDA devices only (actors/colocation.py, actors/trainer.py): none on CPU; their
+    """mem/ gauges are read from CUDA devices only (driver/colocation.py, actors/trainer.py): none on CPU; their
     names are checked against the naming rule in tests/unit/test_dashboard.py."""
     return name.startswith("ray_rlhf_orch_mem_") or (not EVAL and name.startswith("ray_rlhf_orch_eval_"))
 

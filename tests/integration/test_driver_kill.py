@@ -1,6 +1,6 @@
 """A SIGKILLed driver leaves no Ray behind, and the same command with resume=true finishes the run exactly:
 launch.py starts a local Ray; once the driver is killed mid-training (after its step-5 checkpoint) the watchdog
-(actors/watchdog.py, started by actors/ray_session.py::init_ray) terminates every process of that Ray session
+(driver/watchdog.py, started by driver/ray_session.py::init_ray) terminates every process of that Ray session
 within seconds (without it the DashboardAgent and RuntimeEnvAgent live ~60 s more). The resumed run's 20 steps
 match the synchronous-loop baseline (tests/data/tiny_cpu_20steps_baseline.json) to 1e-6."""
 import json
@@ -93,8 +93,8 @@ def test_sigkilled_driver_leaves_no_ray_processes(tmp_path):
                 pass
         session_dir = _session_of(children)
         assert session_dir, f"no Ray session among the driver's processes: {_describe(children)}"
-        watchdogs = [p for p in children if "actors.watchdog" in " ".join(p.cmdline())]
-        assert watchdogs, "no watchdog: actors/ray_session.py::init_ray must call actors.watchdog.start_watchdog()"
+        watchdogs = [p for p in children if "driver.watchdog" in " ".join(p.cmdline())]
+        assert watchdogs, "no watchdog: driver/ray_session.py::init_ray must call driver.watchdog.start_watchdog()"
 
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=10)

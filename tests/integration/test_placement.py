@@ -5,7 +5,7 @@ bundles; a 2-GPU engine bundle has not run there yet.)"""
 import pytest
 import ray
 
-from actors.placement import allocate
+from driver.placement import allocate
 from rlhf_orch.config.schema import ExperimentConfig
 
 pytestmark = pytest.mark.integration

@@ -1,11 +1,11 @@
 """A run whose placement group cannot fit the Ray it joined fails at once with what it asked and what the cluster
-has, instead of waiting ray.get_timeout_s for a placement group that never becomes ready (actors/placement.py)."""
+has, instead of waiting ray.get_timeout_s for a placement group that never becomes ready (driver/placement.py)."""
 import time
 
 import pytest
 import ray
 
-from actors.placement import allocate
+from driver.placement import allocate
 from rlhf_orch.config.schema import ExperimentConfig
 from rlhf_orch.errors import ConfigError
 

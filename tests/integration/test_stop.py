@@ -78,7 +78,7 @@ def test_stopping_ray_keeps_the_drivers_sigterm_handler(tmp_path):
 import signal, sys
 from types import SimpleNamespace
 sys.path.insert(0, sys.argv[1])
-from actors.ray_session import init_ray, stop_ray
+from driver.ray_session import init_ray, stop_ray
 
 def caught():   # the kernel's view: is SIGTERM caught by a handler?
     line = next(l for l in open("/proc/self/status") if l.startswith("SigCgt"))

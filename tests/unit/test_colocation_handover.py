@@ -1,10 +1,10 @@
-"""actors/colocation.py carrying out a plan, against a simulated shared GPU (fake trainer group and engines, no Ray):
+"""driver/colocation.py carrying out a plan, against a simulated shared GPU (fake trainer group and engines, no Ray):
 `trainer.offload: auto` moves everything in the first step, measures, then moves only what the plan needs; a switch
 wakes what is asleep; the configured modes (true) keep their exact call sequence; an engine replaced mid-run is
 handled in every plan; the GPU never holds more than it has."""
 import pytest
 
-import actors.colocation as colocation
+import driver.colocation as colocation
 from rlhf_orch.colocation_plan import GiB
 
 ENGINE_GB = {0: 40.0, 1: 4.5, 2: 2.0}   # an engine's device memory by how many of its tags are asleep
@@ -194,7 +194,7 @@ def test_cpu_auto_moves_nothing_from_the_start():
 
 
 def replace_engine(w, c, engines):
-    """What actors/recovery.py does to the dead engine "v": drops it and adds its replacement "v.r1", awake."""
+    """What driver/recovery.py does to the dead engine "v": drops it and adds its replacement "v.r1", awake."""
     w.engines.pop("v")
     engines.pop("v")
     c.sleep_levels.pop("v")
@@ -203,7 +203,7 @@ def replace_engine(w, c, engines):
 
 
 def test_a_replaced_engine_under_each_plan():
-    """What actors/recovery.py does to a dead engine (drops it, adds its replacement, awake) and what the Cluster then
+    """What driver/recovery.py does to a dead engine (drops it, adds its replacement, awake) and what the Cluster then
     calls (to_train -> sync -> to_generate, as next_batch does when no engine is left)."""
     for total, peak, moved in ((140.4, 30.0, False), (79.6, 45.0, True)):
         w, c, engines = build(total, "auto", peak_gb=peak)

@@ -84,7 +84,7 @@ def test_dashboard_names_follow_the_gauge_naming_rule():
     for key in ("mem/trainer_peak_gb_max", "eval/reward_mean", "eval/pass@1", "eval/pass@k"):   # trainer.py, evaluation.py
         assert "ray_" + gauge_name(key) in names, key
     (pattern,) = patterns
-    for key in ("mem/train/gpu0_used_gb", "mem/generate/gpu3_used_gb"):   # actors/colocation.py Colocation.memory
+    for key in ("mem/train/gpu0_used_gb", "mem/generate/gpu3_used_gb"):   # driver/colocation.py Colocation.memory
         assert re.fullmatch(pattern, "ray_" + gauge_name(key)), key
 
 

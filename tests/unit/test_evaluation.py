@@ -152,7 +152,7 @@ def _gsm8k_rows(split: str, answers: list[int]) -> list[dict]:
 def test_eval_source_file_or_folder_with_split_is_exactly_what_is_scored(tmp_path):
     """eval.source given as a parquet folder with eval.split, and as one JSONL file: the evaluation prompts are that
     split's rows, all of them in file order, rendered with the data section's keys and chat template; the engines get
-    their token ids and the reward workers their rows (actors/evaluation.py: `(text, es.prompts[i].row)`)."""
+    their token ids and the reward workers their rows (driver/evaluation.py: `(text, es.prompts[i].row)`)."""
     import json
 
     from rlhf_orch.rewards.scorer import RewardScorer

@@ -276,7 +276,7 @@ def test_gauge_name_sanitising(key, expected):
 
 def test_ray_metrics_sink_requires_ray():
     import ray
-    from actors.metrics_sink import RayMetricsSink
+    from driver.metrics_sink import RayMetricsSink
 
     if ray.is_initialized():
         pytest.skip("Ray already initialised in this process")
@@ -298,7 +298,7 @@ def test_ray_metrics_sink_with_ray(monkeypatch):
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(address="local", num_cpus=1, include_dashboard=False)
     try:
-        from actors.metrics_sink import RayMetricsSink
+        from driver.metrics_sink import RayMetricsSink
         sink = RayMetricsSink(experiment="unit-test")
         sink.write(1, {"rollout/reward_mean": 0.5, "perf/generate_s": 1.0, "note": "x",
                        "train/loss": float("nan")})

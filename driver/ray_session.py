@@ -1,6 +1,6 @@
 """The Ray session of a driver: join the cluster named by RAY_ADDRESS / `ray.address`, or start a local single-node
 Ray on loopback (with the watchdog that removes it if the driver is SIGKILLed), and shut down only a Ray this
-process started. It does not place or start any actor (actors/placement.py, actors/builder.py)."""
+process started. It does not place or start any actor (driver/placement.py, driver/cluster.py)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import ray
 
-from actors.watchdog import start_watchdog
+from driver.watchdog import start_watchdog
 
 _started: list[bool] = []   # a local Ray that init_ray started and stop_ray has not shut down yet
 
@@ -41,7 +41,7 @@ def init_ray(cfg, shared: bool = False) -> bool:
     ray.init(address="local", num_cpus=cfg.ray.num_cpus, log_to_driver=True)
     if not shared:
         _started.append(True)
-    start_watchdog()   # a SIGKILLed driver must not leave this Ray running (see actors/watchdog.py)
+    start_watchdog()   # a SIGKILLed driver must not leave this Ray running (see driver/watchdog.py)
     return True
 
 

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import ray
 
-from actors.colocation import Colocation
+from driver.colocation import Colocation
 from actors.common import actor_env, get
-from actors.evaluation import run_eval
-from actors.metrics_sink import RayMetricsSink
-from actors.overlap import OverlappedSync
-from actors.placement import allocate
-from actors.ray_session import init_ray
-from actors.recovery import EngineRecovery
+from driver.evaluation import run_eval
+from driver.metrics_sink import RayMetricsSink
+from driver.overlap import OverlappedSync
+from driver.placement import allocate
+from driver.ray_session import init_ray
+from driver.recovery import EngineRecovery
 from actors.reward import start_reward_workers
 from actors.roles import start_role_groups
 from actors.rollout import RolloutActor
@@ -55,7 +55,7 @@ class Cluster(EngineRecovery):
         self.cfg, self.run_dir, self.timeout = cfg, Path(run_dir), cfg.ray.get_timeout_s
         self.placement, self.sinks = None, None
         self.trainers, self.coordinator, self.engines, self.rewarders = None, None, {}, []
-        self.coordinator_restarts = self.manager_restarts = 0   # replaced in place (actors/recovery.py)
+        self.coordinator_restarts = self.manager_restarts = 0   # replaced in place (driver/recovery.py)
         self.served_step, self.boundary_state = 0, {}   # the manager's last batch, and its state after it
         self.ledger_base: dict = {}         # the ledger of earlier segments and of dead managers (whole_run_ledger)
         self.references = self.critics = None   # separate role groups (actors/roles.py), when configured
@@ -72,7 +72,7 @@ class Cluster(EngineRecovery):
         r = cfg.rollout
         self.pause_mode = pause_mode(cfg, r)
         self.max_staleness = r.max_staleness   # of the steps being served (a benchmark changes it per segment)
-        self.overlap = OverlappedSync(self)    # weight_sync.overlap (actors/overlap.py)
+        self.overlap = OverlappedSync(self)    # weight_sync.overlap (driver/overlap.py)
         self.colocation: Colocation | None = None
         self.history: list[dict] = []
         self.resume_from: tuple[str, dict, dict] | None = None   # (tag, rl_state, tensors) when resuming
@@ -197,7 +197,7 @@ class Cluster(EngineRecovery):
         self._manager_plan = (last_step or self.cfg.experiment.steps, rollout)
         self._rget(self.rollouts.start.remote(first_step, self._manager_plan[0], version, pending, rollout),
                    "rollout manager to start")
-        self.served_step = first_step - 1   # the manager's state from here, for a replacement (actors/recovery.py)
+        self.served_step = first_step - 1   # the manager's state from here, for a replacement (driver/recovery.py)
         self.boundary_state = self._manager("state")
         self.step_boundary()
 
@@ -263,7 +263,7 @@ class Cluster(EngineRecovery):
 
     def evaluate(self, eval_set, step: int) -> dict:
         """`eval/` metrics of the engines' weights (version `step`, after the step's sync) on `eval_set`
-        (actors/evaluation.py). Colocated engines get their GPU first (the next step's hand-over, done early; with
+        (driver/evaluation.py). Colocated engines get their GPU first (the next step's hand-over, done early; with
         max_staleness 0 the manager generates nothing until the next step asks for its batch)."""
         self.overlap.finish_early()   # the engines must hold version `step` (weight_sync.overlap)
         self._eval_handover.update(self.to_generate(step))
@@ -310,7 +310,7 @@ class Cluster(EngineRecovery):
                    f"weight sync v{version}", WeightSyncError)
 
     def sync_step(self, version: int) -> dict:
-        """The sync after step `version`'s update: whole, or overlapping the next step (actors/overlap.py)."""
+        """The sync after step `version`'s update: whole, or overlapping the next step (driver/overlap.py)."""
         return self.overlap.step(version) if self.overlap.wanted() else self.sync(version)
 
     def checkpoint(self, step: int, rollout_state: dict) -> None:
@@ -463,4 +463,4 @@ class Cluster(EngineRecovery):
                 self.placement.release()
         except Exception:
             pass
-        # Ray itself stays up: launch.py writes summary.json first, then calls stop_ray (see actors/ray_session.py).
+        # Ray itself stays up: launch.py writes summary.json first, then calls stop_ray (see driver/ray_session.py).

@@ -9,7 +9,7 @@ group runs on weights older than its admission and the staleness bound holds as 
 
 A transfer that fails leaves its engines paused (a half-loaded version is never served), and the next batch may need
 them, so the driver polls the coordinator while it waits for that batch (`wait_for`) and recovers at once: the dead
-engine or coordinator replaced as after any failed sync (actors/recovery.py), and the staged copy, which the trainers
+engine or coordinator replaced as after any failed sync (driver/recovery.py), and the staged copy, which the trainers
 keep until the next stage (and across a re-plan), sent again. Their live weights may be a step further by then.
 
 On when `weight_sync.overlap` is true, or "auto" at max_staleness >= 1, and no GPU hand-over (colocation offload or

@@ -9,7 +9,7 @@ and anything stuck (an actor in native code, a subprocess an actor started) may 
 then shares the machine with the old session's processes.
 
 What it does: `start_watchdog()`, called by the driver right after *it* started a local Ray (never when it
-joined a cluster through an address), spawns `python -m actors.watchdog ...`: a small detached process
+joined a cluster through an address), spawns `python -m driver.watchdog ...`: a small detached process
 (own session, so terminal signals and kills aimed at the driver's process group miss it; stdin/stdout on
 /dev/null; log `<session>/logs/rlhf_orch_watchdog.log`). It records the processes Ray started
 (`_global_node.all_processes`, with their create times), and every 2 s adds their descendants, while it
@@ -97,7 +97,7 @@ def start_watchdog() -> subprocess.Popen | None:
                 except psutil.Error:
                     pass
         me = psutil.Process()
-        cmd = [sys.executable, "-m", "actors.watchdog", "--driver-pid", str(me.pid),
+        cmd = [sys.executable, "-m", "driver.watchdog", "--driver-pid", str(me.pid),
                "--driver-create-time", repr(me.create_time()), "--session-dir", session_dir,
                "--ray-dir", os.path.dirname(os.path.abspath(ray.__file__)), "--processes", json.dumps(procs)]
         root = str(Path(__file__).resolve().parent.parent)

@@ -1,4 +1,4 @@
-"""EngineRecovery: how the driver's Cluster replaces dead rollout engines (a mixin of actors/builder.py's Cluster).
+"""EngineRecovery: how the driver's Cluster replaces dead rollout engines (a mixin of driver/cluster.py's Cluster).
 
 The rollout manager declares an engine dead (its process died during generate, or a health check found it hung);
 the driver meets other deaths itself (a colocation hand-over, a weight sync). Either way the driver here: tells

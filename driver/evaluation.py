@@ -6,7 +6,7 @@ generate call each), sent straight to the engine actors, not through the rollout
 stream and ledger never see them; the samples are scored by the run's reward workers with the same reward
 function. The sampling parameters come from rlhf_orch.evaluation (greedy, or seeded per prompt), so the engines'
 own sampling RNG, the training stream, is untouched. An engine found dead here is handed to the usual recovery
-(actors/recovery.py) and the evaluation is done again, once, on the engines left.
+(driver/recovery.py) and the evaluation is done again, once, on the engines left.
 
 The metrics (`eval/`, rlhf_orch.evaluation.aggregate) and one log line are all it produces; the driver writes them
 with the step's metrics.
