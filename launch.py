@@ -169,7 +169,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
         sinks = cluster.sinks
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _on_sigterm)   # ray.init put its own (sys.exit) in place of ours
-        summary["resume_notes"] = cluster.resume_notes   # filled by find_good at start and by restore()
+        summary["resume_notes"] = cluster.checkpoints.resume_notes   # filled by find_good at start and by restore()
         resumed = cluster.restore() if cfg.resume else None         # trainer state, engine RNGs
         if resumed:
             records = list(cluster.history)

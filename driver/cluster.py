@@ -2,6 +2,9 @@
 workers, the RolloutManager, the WeightSyncCoordinator and the metric sinks. `Cluster` is the driver's
 single handle on the running system; launch.py calls its few verbs (start_rollouts, next_batch,
 train, sync, checkpoint, close). The driver holds metadata and object references, never a step's tokens.
+Its parts live beside it in driver/: checkpoints (find, write, restore, the engines' RNGs at step boundaries, the
+reference snapshot), recovery (a mixin: dead engines, coordinator and manager replaced in place), the overlapped
+sync, colocation hand-overs, placement, evaluation.
 """
 from __future__ import annotations
 
@@ -13,8 +16,9 @@ from pathlib import Path
 
 import ray
 
-from driver.colocation import Colocation
 from actors.common import actor_env, get
+from driver.checkpoints import Checkpoints
+from driver.colocation import Colocation
 from driver.evaluation import run_eval
 from driver.metrics_sink import RayMetricsSink
 from driver.overlap import OverlappedSync
@@ -25,8 +29,7 @@ from actors.reward import start_reward_workers
 from actors.roles import start_role_groups
 from actors.rollout import RolloutActor
 from actors.trainer import TrainerGroup
-from rlhf_orch.checkpoint import (checkpoint_dir, commit, find_good, read_rl_state, staging_dir, truncate_metrics,
-                                  write_rl_state)
+from rlhf_orch.checkpoint import truncate_metrics
 from rlhf_orch.config import engine_names
 from rlhf_orch.config.checks import pause_mode
 from rlhf_orch.engines import hooks_from_env
@@ -34,7 +37,6 @@ from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncE
 from rlhf_orch.metrics import JsonlSink, MultiSink, TensorBoardSink, plot_run, plot_staleness, plot_timeline
 from rlhf_orch.metrics.timeline import Timeline
 from rlhf_orch.metrics.trackers import make_trackers
-from rlhf_orch.trainer.export import export_spec
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +66,16 @@ class Cluster(EngineRecovery):
         self.starting: dict = {}            # replacements not up yet: name -> (actor, its device_ids ref)
         self.unadmitted: list[str] = []     # replacements up, waiting for their first verified sync
         self.ready: list[str] = []          # replacements synced and verified, to be given work at the next batch
-        self.boundary_rngs: dict | None = None   # engines' sampling RNGs after the last completed step (step_boundary)
-        self._rng_capable = True
         self._eval_handover: dict = {}      # an evaluation's hand-over to generate: reported with the next step's
         self.engine_restarts = 0
         self.timeline = Timeline()
+        self.checkpoints = Checkpoints(cfg, self.run_dir, model_path, self.timeline)   # find, write, restore
         r = cfg.rollout
         self.pause_mode = pause_mode(cfg, r)
         self.max_staleness = r.max_staleness   # of the steps being served (a benchmark changes it per segment)
         self.overlap = OverlappedSync(self)    # weight_sync.overlap (driver/overlap.py)
         self.colocation: Colocation | None = None
         self.history: list[dict] = []
-        self.resume_from: tuple[str, dict, dict] | None = None   # (tag, rl_state, tensors) when resuming
-        self.resume_notes: list[str] = []    # why a checkpoint was skipped, or why the resume is not bit-exact
         try:
             self._build(model_path, dataset, pad_id)
         except BaseException:
@@ -93,17 +92,14 @@ class Cluster(EngineRecovery):
             # SGLang turns NCCL's cuMem allocator off in its processes (engine.py:1583); a trainer-side end of
             # the same communicator with it on fails its first broadcast ("unhandled cuda error").
             os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
-        if cfg.resume:   # read the checkpoint once; drop metrics after it before the sinks append to the file
-            tag, self.resume_notes = find_good(checkpoint_dir(self.run_dir))   # a corrupt latest: the one before
-            if tag is not None:
-                state, tensors = read_rl_state(checkpoint_dir(self.run_dir) / tag)
-                self.resume_from = (tag, state, tensors)
-                self.ledger_base = state.get("rollout", {}).get("ledger", {})
-                self.history = truncate_metrics(self.run_dir / "metrics.jsonl", state["step"])
-                truncate_metrics(self.run_dir / "rollouts.jsonl", state["step"])
+        state = self.checkpoints.find() if cfg.resume else None
+        if state is not None:   # read once; metrics after it are dropped before the sinks append to the file
+            self.ledger_base = state.get("rollout", {}).get("ledger", {})
+            self.history = truncate_metrics(self.run_dir / "metrics.jsonl", state["step"])
+            truncate_metrics(self.run_dir / "rollouts.jsonl", state["step"])
         self.sinks = self._sinks()
         log = self.run_dir / "rollouts.jsonl"
-        if not (cfg.resume and self.resume_from):
+        if not (cfg.resume and self.checkpoints.resume_from):
             log.unlink(missing_ok=True)
         self._rollout_log = open(log, "a", encoding="utf-8")
         name, device = cfg.experiment.name, cfg.trainer.device
@@ -162,13 +158,13 @@ class Cluster(EngineRecovery):
         m, sinks = self.cfg.metrics, []
         if "jsonl" in m.trackers:
             path = self.run_dir / "metrics.jsonl"
-            if self.resume_from is None and path.exists():   # a fresh start (resume=true without a checkpoint too)
+            if self.checkpoints.resume_from is None and path.exists():   # a fresh start (resume=true without a checkpoint too)
                 path.unlink()                                 # must not append to an earlier run's records
             sinks.append(JsonlSink(path))
         if "tensorboard" in m.trackers:
             sinks.append(TensorBoardSink(self.run_dir / "tb"))
         try:   # wandb, mlflow: a resumed run continues their runs (ids in <run>/trackers.json)
-            sinks.extend(make_trackers(self.cfg, self.run_dir, resumed=self.resume_from is not None))
+            sinks.extend(make_trackers(self.cfg, self.run_dir, resumed=self.checkpoints.resume_from is not None))
         except BaseException:
             MultiSink(sinks).close()
             raise
@@ -314,86 +310,21 @@ class Cluster(EngineRecovery):
         return self.overlap.step(version) if self.overlap.wanted() else self.sync(version)
 
     def checkpoint(self, step: int, rollout_state: dict) -> None:
-        """DeepSpeed state of every rank, the RL state (step, version, data cursor, engine RNGs) and an HF export,
-        written into a staging folder, then given a manifest of digests and renamed (rlhf_orch.checkpoint.commit);
-        `latest` moves last, so an interrupted save leaves the previous checkpoint in charge."""
-        ckpt = checkpoint_dir(self.run_dir)
-        tag = f"step{step}"
+        """Checkpoint `step` (driver/checkpoints.py); `rollout_state` is the manager's state after it."""
         self.to_train()   # after an evaluation colocated engines hold the GPU: the trainers' states come back first
-        with self.timeline.span("trainer", "checkpoint"):
-            self._write_checkpoint(ckpt, tag, step, rollout_state)
-
-    def _engine_rngs(self) -> dict:
-        """{slot: sampling RNG state} of every live engine that can save one (a replacement restores its slot)."""
-        rngs, refs = {}, {n: e.rng_state.remote() for n, e in self.engines.items()}   # one round trip for all
-        for n, ref in refs.items():
-            try:   # a dead engine must not cost the trainer's checkpoint; it restarts with a fresh RNG
-                rngs[self.slots[n]["base"]] = get(ref, self.timeout, f"engine {n} RNG state", EngineError)
-            except EngineError as err:
-                logger.warning("no sampling RNG state from engine %s: %s", n, str(err).splitlines()[0])
-        return rngs
+        self.checkpoints.write(step, rollout_state, self._whole_ledger(rollout_state["ledger"]), self.trainers,
+                               self.critics, self.engines, self.slots, self.timeout)
 
     def step_boundary(self) -> None:
-        """After a completed step (max_staleness 0): remember the engines' sampling RNGs as they are now, before the
-        next step generates, so a checkpoint of this step written later (after a failure mid-next-step) resumes
-        exactly. Skipped when no engine can save its RNG (vLLM, SGLang) or engines generate ahead (k >= 1)."""
-        if self.cfg.rollout.max_staleness or not self._rng_capable:
-            return
-        self.boundary_rngs = self._engine_rngs()
-        self._rng_capable = any(v is not None for v in self.boundary_rngs.values())
-
-    def _write_checkpoint(self, ckpt: Path, tag: str, step: int, rollout_state: dict) -> None:
-        stage = staging_dir(ckpt, tag)
-        path = self.trainers.call("save_checkpoint", str(ckpt), stage.name, {"step": step})[0]
-        if self.critics is not None:   # where a colocated critic saves too: inside the policy's tag folder
-            self.critics.call("save_checkpoint", path, "critic")
-        rngs = self.boundary_rngs if self.boundary_rngs is not None else self._engine_rngs()
-        missing = sorted(slot for slot in {self.slots[n]["base"] for n in self.engines} if rngs.get(slot) is None)
-        for slot in missing:
-            logger.warning("checkpoint %s without engine %s's sampling RNG: resuming from it is not bit-exact", tag, slot)
-        # The data cursor is after every draw; draws not yet trained (max_staleness >= 1) are re-queued on resume.
-        write_rl_state(stage, {"step": step, "weight_version": step, "data": rollout_state["data"],
-                               "rollout": {"pending": rollout_state["pending"],
-                                           "ledger": self._whole_ledger(rollout_state["ledger"])},
-                               "engine_rng_missing": sorted(missing)},
-                       {f"engine_rng/{n}": r for n, r in rngs.items() if r is not None})
-        if self.cfg.trainer.export_hf:   # the policy with the run's tokenizer, chat template and sampling defaults
-            self.trainers.call("export_hf", str(stage / "hf"), export_spec(self.cfg, self.model_path))
-        commit(ckpt, tag, self.cfg.trainer.keep_checkpoints)
-        logger.info("checkpoint %s written", ckpt / tag)
+        """The engines' sampling RNGs as this step leaves them (what its checkpoint holds; driver/checkpoints.py)."""
+        self.checkpoints.step_boundary(self.engines, self.slots, self.timeout)
 
     def restore(self) -> dict | None:
         """Load the checkpoint found at start into the trainers and engines' RNGs; None if there was none."""
-        ckpt = checkpoint_dir(self.run_dir)
-        if self.resume_from is None:
-            logger.warning("no checkpoint in %s to continue from: starting from step 1", ckpt)
-            return None
-        tag, state, tensors = self.resume_from
-        self.trainers.call("load_checkpoint", str(ckpt), tag)
-        if self.critics is not None:
-            self.critics.call("load_checkpoint", str(ckpt / tag), "critic")
-        get([e.set_rng_state.remote(tensors.get(f"engine_rng/{n}")) for n, e in self.engines.items()],
-            self.timeout, "engine RNG restore", EngineError)
-        lost = [n for n in self.engines if f"engine_rng/{n}" not in tensors]
-        if lost:
-            self.resume_notes.append(f"resume from {tag} is not bit-exact: no sampling RNG state for engine(s) "
-                                     f"{lost} (dead when it was written, or an engine kind that cannot save it)")
-            logger.warning("%s", self.resume_notes[-1])
-        logger.info("resumed from %s (step %d)", ckpt / tag, state["step"])
-        return state
-
-    @property
-    def reference_path(self) -> str:
-        return str(checkpoint_dir(self.run_dir) / "reference.pt")
+        return self.checkpoints.restore(self.trainers, self.critics, self.engines, self.timeout)
 
     def snapshot_reference(self, resumed: bool) -> None:
-        """Freeze the KL reference as RL starts (a resumed run reuses the saved one): inside every policy rank, or
-        written once by the policy ranks and loaded by the separate reference group."""
-        keep = self.references is None
-        self.trainers.call("snapshot_reference", self.reference_path, resumed, keep)
-        if not keep:
-            with self.timeline.span("reference", "load"):
-                self.references.load(self.model_path, self.cfg, self.reference_path)
+        self.checkpoints.snapshot_reference(resumed, self.trainers, self.references)
 
     def _shutdown_actors(self) -> None:
         """Engines leave the broadcast group, then trainers (and a critic group) leave theirs together, then all are

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 class EngineRecovery:
     """Needs from the Cluster: cfg, env, trainers, engines, starting, rewarders, slots, sampling, colocation,
     coordinator, rollouts, timeout, sync_timeout, plan, timeline, faults, unadmitted, ready, engine_restarts,
-    coordinator_restarts, manager_restarts, served_step, boundary_state, boundary_rngs, ledger_base, final_ledger,
+    coordinator_restarts, manager_restarts, served_step, boundary_state, checkpoints, ledger_base, final_ledger,
     _manager_args, _manager_plan, _rget and _make_engine."""
 
     def _engines_died(self, err: Exception, phase: str) -> bool:
@@ -113,10 +113,10 @@ class EngineRecovery:
         logger.error("the rollout manager died (%s); starting %s in place from the state after step %d",
                      str(err).splitlines()[0][:200], name, self.served_step)
         exact = False
-        if mid_batch and self.boundary_rngs:
+        if mid_batch and self.checkpoints.boundary_rngs:
             idle = get([e.wait_idle.remote(self.timeout) for e in self.engines.values()], self.timeout + 10,
                        "engines to end the dead manager's calls", EngineError)
-            rngs = {n: self.boundary_rngs.get(self.slots[n]["base"]) for n in self.engines}
+            rngs = {n: self.checkpoints.boundary_rngs.get(self.slots[n]["base"]) for n in self.engines}
             get([e.set_rng_state.remote(rngs[n]) for n, e in self.engines.items()], self.timeout,
                 "engine RNGs set back", EngineError)
             exact = all(idle) and all(v is not None for v in rngs.values())

@@ -109,6 +109,26 @@ def _send(sender, values, sync_id):
         return e
 
 
+def _assert_abort_ends_the_receive(receive, flag, sync_id: int) -> None:
+    """`receive()` waits for bucket 0 of sync `sync_id`, which no trainer sends; the actor's abort of that sync must end
+    it with SyncAborted within 2 s (the receivers' deadline is 10 s)."""
+    out = {}
+
+    def run():
+        try:
+            receive()
+        except EngineError as e:
+            out["error"], out["t"] = str(e), time.monotonic()
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    flag.abort(sync_id)
+    t.join(10)
+    assert "SyncAborted" in out["error"] and out["t"] - t0 < 2.0, out
+
+
 def test_two_syncs_in_one_call_each_then_replayed_copies_follow_the_weights(tmp_path):
     model, eng, sender = _setup(tmp_path)
     assert eng.capabilities.streams == {"ipc", "broadcast"}
@@ -177,21 +197,7 @@ def test_an_aborted_sync_ends_the_schedulers_receive_at_once(tmp_path):
     flag = AbortFlag.create()
     model, eng, sender = _setup(tmp_path, abort_flag=flag)
     assert eng.capabilities.aborts_syncs and not os.path.exists(eng._abort["link"])   # the scheduler took the link
-    out = {}
-
-    def receive():
-        try:
-            eng.receive_stream(7)
-        except EngineError as e:
-            out["error"], out["t"] = str(e), time.monotonic()
-
-    t = threading.Thread(target=receive)
-    t.start()
-    time.sleep(0.3)            # waiting for bucket 0, which no trainer will send
-    t0 = time.monotonic()
-    flag.abort(7)
-    t.join(10)
-    assert "SyncAborted" in out["error"] and out["t"] - t0 < 2.0, out
+    _assert_abort_ends_the_receive(lambda: eng.receive_stream(7), flag, 7)
     assert not model._rlhf_state["abort"].aborted(8)   # the scheduler's view of the flag: only sync 7 is aborted
 
 
@@ -266,18 +272,4 @@ def test_an_aborted_broadcast_sync_ends_the_schedulers_receive_at_once(tmp_path)
     # A re-plan re-installs the load wrapper first (setup_receiver): the receiver and its abort flag must survive it.
     install(model, {"dir": str(tmp_path), "verify": True}, 0, "cpu")
     assert model._rlhf_state["abort"] is not None and model._rlhf_state["transport"] == "broadcast"
-    out = {}
-
-    def receive():
-        try:
-            eng.receive_broadcast_stream(9)
-        except EngineError as e:
-            out["error"], out["t"] = str(e), time.monotonic()
-
-    t = threading.Thread(target=receive)
-    t.start()
-    time.sleep(0.3)            # waiting for bucket 0, which no trainer sends
-    t0 = time.monotonic()
-    flag.abort(9)
-    t.join(10)
-    assert "SyncAborted" in out["error"] and out["t"] - t0 < 2.0, out
+    _assert_abort_ends_the_receive(lambda: eng.receive_broadcast_stream(9), flag, 9)

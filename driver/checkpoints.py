@@ -1,0 +1,119 @@
+"""The run's checkpoints, seen from the driver: find the one to resume from, write one, restore it, keep the engines'
+sampling RNGs as each step leaves them, and freeze the KL reference.
+
+A checkpoint is written into a staging folder (every trainer rank's DeepSpeed state, a separate critic's, the RL
+state: step, weight version, data cursor, draws not trained yet, the run's ledger, the engines' sampling RNGs, and an
+HF export), given a manifest of digests and renamed; `latest` moves last, so an interrupted save leaves the previous
+checkpoint in charge (rlhf_orch/checkpoint.py owns the files and that protocol). Resuming takes the last good one (a
+corrupt latest: the one before) and says in `resume_notes` why a resume is not bit-exact.
+
+It holds no actor: the trainer, critic and reference groups and the engines it writes from or restores into are
+passed to each call (driver/cluster.py's Cluster owns them). It decides nothing about when to checkpoint (launch.py).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from actors.common import get
+from rlhf_orch.checkpoint import checkpoint_dir, commit, find_good, read_rl_state, staging_dir, write_rl_state
+from rlhf_orch.errors import EngineError
+from rlhf_orch.metrics.timeline import Timeline
+from rlhf_orch.trainer.export import export_spec
+
+logger = logging.getLogger(__name__)
+
+
+class Checkpoints:
+    def __init__(self, cfg, run_dir: Path, model_path: str, timeline: Timeline):
+        self.cfg, self.model_path, self.timeline = cfg, model_path, timeline
+        self.dir = checkpoint_dir(run_dir)
+        self.resume_from: tuple[str, dict, dict] | None = None   # (tag, rl_state, tensors) when resuming
+        self.resume_notes: list[str] = []    # why a checkpoint was skipped, or why the resume is not bit-exact
+        self.boundary_rngs: dict | None = None   # engines' sampling RNGs after the last completed step (step_boundary)
+        self._rng_capable = True
+
+    def find(self) -> dict | None:
+        """The RL state of the last good checkpoint, read once at start (None: there is none); notes why a corrupt
+        latest one was skipped."""
+        tag, self.resume_notes = find_good(self.dir)
+        if tag is None:
+            return None
+        state, tensors = read_rl_state(self.dir / tag)
+        self.resume_from = (tag, state, tensors)
+        return state
+
+    def engine_rngs(self, engines: dict, slots: dict, timeout: float) -> dict:
+        """{slot: sampling RNG state} of every live engine that can save one (a replacement restores its slot)."""
+        rngs, refs = {}, {n: e.rng_state.remote() for n, e in engines.items()}   # one round trip for all
+        for n, ref in refs.items():
+            try:   # a dead engine must not cost the trainer's checkpoint; it restarts with a fresh RNG
+                rngs[slots[n]["base"]] = get(ref, timeout, f"engine {n} RNG state", EngineError)
+            except EngineError as err:
+                logger.warning("no sampling RNG state from engine %s: %s", n, str(err).splitlines()[0])
+        return rngs
+
+    def step_boundary(self, engines: dict, slots: dict, timeout: float) -> None:
+        """After a completed step (max_staleness 0): remember the engines' sampling RNGs as they are now, before the
+        next step generates, so a checkpoint of this step written later (after a failure mid-next-step) resumes
+        exactly. Skipped when no engine can save its RNG (vLLM, SGLang) or engines generate ahead (k >= 1)."""
+        if self.cfg.rollout.max_staleness or not self._rng_capable:
+            return
+        self.boundary_rngs = self.engine_rngs(engines, slots, timeout)
+        self._rng_capable = any(v is not None for v in self.boundary_rngs.values())
+
+    def write(self, step: int, rollout_state: dict, ledger: dict, trainers, critics, engines: dict, slots: dict,
+              timeout: float) -> None:
+        """Checkpoint `step`: `rollout_state` is the manager's state after it, `ledger` the run's whole ledger."""
+        tag = f"step{step}"
+        with self.timeline.span("trainer", "checkpoint"):
+            stage = staging_dir(self.dir, tag)
+            path = trainers.call("save_checkpoint", str(self.dir), stage.name, {"step": step})[0]
+            if critics is not None:   # where a colocated critic saves too: inside the policy's tag folder
+                critics.call("save_checkpoint", path, "critic")
+            rngs = self.boundary_rngs if self.boundary_rngs is not None else self.engine_rngs(engines, slots, timeout)
+            missing = sorted(slot for slot in {slots[n]["base"] for n in engines} if rngs.get(slot) is None)
+            for slot in missing:
+                logger.warning("checkpoint %s without engine %s's sampling RNG: resuming from it is not bit-exact",
+                               tag, slot)
+            # The data cursor is after every draw; draws not yet trained (max_staleness >= 1) are re-queued on resume.
+            write_rl_state(stage, {"step": step, "weight_version": step, "data": rollout_state["data"],
+                                   "rollout": {"pending": rollout_state["pending"], "ledger": ledger},
+                                   "engine_rng_missing": sorted(missing)},
+                           {f"engine_rng/{n}": r for n, r in rngs.items() if r is not None})
+            if self.cfg.trainer.export_hf:   # the policy with the run's tokenizer, chat template and sampling defaults
+                trainers.call("export_hf", str(stage / "hf"), export_spec(self.cfg, self.model_path))
+            commit(self.dir, tag, self.cfg.trainer.keep_checkpoints)
+        logger.info("checkpoint %s written", self.dir / tag)
+
+    def restore(self, trainers, critics, engines: dict, timeout: float) -> dict | None:
+        """Load the checkpoint found at start into the trainers and engines' RNGs; None if there was none."""
+        if self.resume_from is None:
+            logger.warning("no checkpoint in %s to continue from: starting from step 1", self.dir)
+            return None
+        tag, state, tensors = self.resume_from
+        trainers.call("load_checkpoint", str(self.dir), tag)
+        if critics is not None:
+            critics.call("load_checkpoint", str(self.dir / tag), "critic")
+        get([e.set_rng_state.remote(tensors.get(f"engine_rng/{n}")) for n, e in engines.items()],
+            timeout, "engine RNG restore", EngineError)
+        lost = [n for n in engines if f"engine_rng/{n}" not in tensors]
+        if lost:
+            self.resume_notes.append(f"resume from {tag} is not bit-exact: no sampling RNG state for engine(s) "
+                                     f"{lost} (dead when it was written, or an engine kind that cannot save it)")
+            logger.warning("%s", self.resume_notes[-1])
+        logger.info("resumed from %s (step %d)", self.dir / tag, state["step"])
+        return state
+
+    @property
+    def reference_path(self) -> str:
+        return str(self.dir / "reference.pt")
+
+    def snapshot_reference(self, resumed: bool, trainers, references) -> None:
+        """Freeze the KL reference as RL starts (a resumed run reuses the saved one): inside every policy rank, or
+        written once by the policy ranks and loaded by the separate reference group."""
+        keep = references is None
+        trainers.call("snapshot_reference", self.reference_path, resumed, keep)
+        if not keep:
+            with self.timeline.span("reference", "load"):
+                references.load(self.model_path, self.cfg, self.reference_path)
