@@ -166,13 +166,13 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
     eval_set = eval_set if eval_set is not None else eval_set_for(cfg, tokenizer)   # None: evaluation off
     try:
         cluster = Cluster.start(cfg, run_dir, model_path, dataset, tokenizer.pad_token_id)   # Ray, all actors, sinks
-        sinks = cluster.sinks
+        sinks = cluster.outputs.sinks
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _on_sigterm)   # ray.init put its own (sys.exit) in place of ours
         summary["resume_notes"] = cluster.checkpoints.resume_notes   # filled by find_good at start and by restore()
         resumed = cluster.restore() if cfg.resume else None         # trainer state, engine RNGs
         if resumed:
-            records = list(cluster.history)
+            records = list(cluster.outputs.history)
         elif cfg.trainer.warm_start_steps:
             rng = random.Random(seed)
             enc = lambda s: tokenizer(s, add_special_tokens=False).input_ids

@@ -260,7 +260,7 @@ def main(argv=None) -> int:
                     m, _ = launch.rl_step(cluster, cfg, s)
                     windows.append((a, time.time() - cluster.timeline.t0))
                     recs.append({"step": s, **m})
-                    cluster.sinks.write(s, {**m, "bench/mode": float(list(MODES).index(mode))})
+                    cluster.outputs.sinks.write(s, {**m, "bench/mode": float(list(MODES).index(mode))})
                     print(f"seg {seg} {mode:4s} step {s}: {m['perf/step_s']:.2f}s (wait {m['perf/generate_s']:.2f} "
                           f"train {m['perf/train_s']:.2f} sync {m['perf/sync_s']:.3f}, engines paused "
                           f"{m.get('sync/pause_s', float('nan')):.3f} of it) tokens {m['rollout/tokens']:.0f} "

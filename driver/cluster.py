@@ -3,12 +3,11 @@ workers, the RolloutManager, the WeightSyncCoordinator and the metric sinks. `Cl
 single handle on the running system; launch.py calls its few verbs (start_rollouts, next_batch,
 train, sync, checkpoint, close). The driver holds metadata and object references, never a step's tokens.
 Its parts live beside it in driver/: checkpoints (find, write, restore, the engines' RNGs at step boundaries, the
-reference snapshot), recovery (a mixin: dead engines, coordinator and manager replaced in place), the overlapped
+reference snapshot), outputs (metric sinks, rollouts.jsonl, timeline, plots), recovery (a mixin: dead engines, coordinator and manager replaced in place), the overlapped
 sync, colocation hand-overs, placement, evaluation.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -20,7 +19,7 @@ from actors.common import actor_env, get
 from driver.checkpoints import Checkpoints
 from driver.colocation import Colocation
 from driver.evaluation import run_eval
-from driver.metrics_sink import RayMetricsSink
+from driver.outputs import RunOutputs
 from driver.overlap import OverlappedSync
 from driver.placement import allocate
 from driver.ray_session import init_ray
@@ -29,14 +28,11 @@ from actors.reward import start_reward_workers
 from actors.roles import start_role_groups
 from actors.rollout import RolloutActor
 from actors.trainer import TrainerGroup
-from rlhf_orch.checkpoint import truncate_metrics
 from rlhf_orch.config import engine_names
 from rlhf_orch.config.checks import pause_mode
 from rlhf_orch.engines import hooks_from_env
 from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError
-from rlhf_orch.metrics import JsonlSink, MultiSink, TensorBoardSink, plot_run, plot_staleness, plot_timeline
 from rlhf_orch.metrics.timeline import Timeline
-from rlhf_orch.metrics.trackers import make_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +51,7 @@ class Cluster(EngineRecovery):
         """Everything up and the sync plan made; on any failure, what was started is torn down first."""
         self = cls()
         self.cfg, self.run_dir, self.timeout = cfg, Path(run_dir), cfg.ray.get_timeout_s
-        self.placement, self.sinks = None, None
+        self.placement = None
         self.trainers, self.coordinator, self.engines, self.rewarders = None, None, {}, []
         self.coordinator_restarts = self.manager_restarts = 0   # replaced in place (driver/recovery.py)
         self.served_step, self.boundary_state = 0, {}   # the manager's last batch, and its state after it
@@ -70,12 +66,12 @@ class Cluster(EngineRecovery):
         self.engine_restarts = 0
         self.timeline = Timeline()
         self.checkpoints = Checkpoints(cfg, self.run_dir, model_path, self.timeline)   # find, write, restore
+        self.outputs = RunOutputs(cfg, self.run_dir, self.timeline)   # sinks, rollouts.jsonl, timeline, plots
         r = cfg.rollout
         self.pause_mode = pause_mode(cfg, r)
         self.max_staleness = r.max_staleness   # of the steps being served (a benchmark changes it per segment)
         self.overlap = OverlappedSync(self)    # weight_sync.overlap (driver/overlap.py)
         self.colocation: Colocation | None = None
-        self.history: list[dict] = []
         try:
             self._build(model_path, dataset, pad_id)
         except BaseException:
@@ -92,16 +88,10 @@ class Cluster(EngineRecovery):
             # SGLang turns NCCL's cuMem allocator off in its processes (engine.py:1583); a trainer-side end of
             # the same communicator with it on fails its first broadcast ("unhandled cuda error").
             os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
-        state = self.checkpoints.find() if cfg.resume else None
-        if state is not None:   # read once; metrics after it are dropped before the sinks append to the file
+        state = self.checkpoints.find() if cfg.resume else None   # read once
+        if state is not None:
             self.ledger_base = state.get("rollout", {}).get("ledger", {})
-            self.history = truncate_metrics(self.run_dir / "metrics.jsonl", state["step"])
-            truncate_metrics(self.run_dir / "rollouts.jsonl", state["step"])
-        self.sinks = self._sinks()
-        log = self.run_dir / "rollouts.jsonl"
-        if not (cfg.resume and self.checkpoints.resume_from):
-            log.unlink(missing_ok=True)
-        self._rollout_log = open(log, "a", encoding="utf-8")
+        self.outputs.open(None if state is None else state["step"])   # records after the checkpoint dropped
         name, device = cfg.experiment.name, cfg.trainer.device
         self.placement = allocate(cfg, self.timeout)
         self.trainers = TrainerGroup(self.placement, device, name, self.timeout)
@@ -153,24 +143,6 @@ class Cluster(EngineRecovery):
         opts = self.placement.options(bundle, f"{cfg.experiment.name}-engine-{ename}", engine_env(self.env, ecfg))
         return RolloutActor.options(**opts).remote(ename, ecfg, cfg.trainer.device, self.placement.device_id(bundle),
                                                    self.model_path, cfg.model.dtype, seed, hooks_from_env(slot["entry"]))
-
-    def _sinks(self):
-        m, sinks = self.cfg.metrics, []
-        if "jsonl" in m.trackers:
-            path = self.run_dir / "metrics.jsonl"
-            if self.checkpoints.resume_from is None and path.exists():   # a fresh start (resume=true without a checkpoint too)
-                path.unlink()                                 # must not append to an earlier run's records
-            sinks.append(JsonlSink(path))
-        if "tensorboard" in m.trackers:
-            sinks.append(TensorBoardSink(self.run_dir / "tb"))
-        try:   # wandb, mlflow: a resumed run continues their runs (ids in <run>/trackers.json)
-            sinks.extend(make_trackers(self.cfg, self.run_dir, resumed=self.checkpoints.resume_from is not None))
-        except BaseException:
-            MultiSink(sinks).close()
-            raise
-        if m.ray_metrics:
-            sinks.append(RayMetricsSink(experiment=self.cfg.experiment.name))
-        return MultiSink(sinks)
 
     # ---- rollouts (the manager owns them; the driver holds metadata and object refs) -----------------
     def _rget(self, ref, what: str, timeout: float | None = None):
@@ -239,10 +211,7 @@ class Cluster(EngineRecovery):
         return {**out, **self.colocation.after_train(out)}   # trainer.offload auto: the plan, chosen after step 1
 
     def log_rollouts(self, step: int, meta: dict) -> None:
-        """rollouts.jsonl: which draws (epoch, dataset row) each step trained on, and how many were filtered."""
-        self._rollout_log.write(json.dumps({"step": step, "sources": meta["sources"],
-                                            "groups_filtered": meta["metrics"].get("rollout/groups_filtered", 0)}) + "\n")
-        self._rollout_log.flush()
+        self.outputs.log_rollouts(step, meta)
 
     def to_generate(self, version: int) -> dict:
         """Colocation: trainers offload, sleeping engines take their KV cache back (no-op otherwise). An engine
@@ -354,14 +323,6 @@ class Cluster(EngineRecovery):
                            str(e).splitlines()[0][:200])
             return False
 
-    def _write_timeline(self, records: list[dict]) -> None:
-        path = self.run_dir / "timeline.jsonl"
-        path.unlink(missing_ok=True)   # one file per (re)start: times are relative to that start
-        self.timeline.write_jsonl(path)
-        if self.cfg.metrics.plots:
-            plot_timeline(self.timeline.events, self.run_dir / "plots" / "timeline.png")
-            plot_staleness(records, self.run_dir / "plots" / "staleness.png")
-
     def close(self, records: list[dict], rollout_state: dict | None) -> None:
         """Always runs: final checkpoint if the trainers are alive, plots, sinks closed, placement released.
         `rollout_state` is the manager's state after the last completed step (what a resume needs); None writes no
@@ -379,16 +340,7 @@ class Cluster(EngineRecovery):
             logger.warning("final checkpoint failed: %s", e)
         self._stop_rollouts()
         self._shutdown_actors()
-        try:
-            self._write_timeline(records)
-        except Exception as e:   # plots must never hide the run's result
-            logger.warning("timeline not written: %s", e)
-        if self.sinks is not None:
-            self.sinks.close()
-        if getattr(self, "_rollout_log", None) is not None:
-            self._rollout_log.close()
-        if self.cfg.metrics.plots and records:
-            plot_run(records, self.run_dir / "plots")   # the end-of-run report lists every plot (rlhf_orch/report.py)
+        self.outputs.close(records)
         try:
             if self.placement is not None:
                 self.placement.release()
