@@ -92,12 +92,13 @@ def _setup(tmp_path, corrupt=None, abort_flag=None):
     return model, eng, sender
 
 
-def _sync(eng, sender, values, sync_id):
+def _sync(eng, sender, values, sync_id, receive=None):
+    """The trainer sends in a thread while the engine takes the sync (`receive`: its ipc stream by default)."""
     out = {}
     t = threading.Thread(target=lambda: out.update(sent=_send(sender, values, sync_id)))
     t.start()
     try:
-        return eng.receive_stream(sync_id), out
+        return (receive or eng.receive_stream)(sync_id), out
     finally:
         t.join(20)
 
@@ -107,6 +108,22 @@ def _send(sender, values, sync_id):
         return sender.send(iter([(s.name, values[s.name]) for s in MODEL]), sync_id, sync_id=sync_id)
     except WeightSyncError as e:
         return e
+
+
+def _assert_holds(model, eng, values, sums, out, sync_id):
+    """The trainer's and the scheduler's checksums are those of `values`, and the model holds them (q, k fused)."""
+    want = checksums(values[s.name] for s in MODEL)
+    assert out["sent"].checksums == want and sums == want
+    assert_bit_equal(model.qkv.data, torch.cat([values["q"], values["k"]]), f"qkv after sync {sync_id}")
+    assert_bit_equal(model.w.data, values["w"], "w")
+    assert_bit_equal(model.b.data, values["b"], "b")
+    assert eng.checksums([s.name for s in MODEL]) == want
+
+
+def _assert_replayed(model, eng):
+    """After the first sync every bucket was loaded by replayed copies, none by the model's own loader."""
+    status = model._rlhf_state["stream"].replay.status()
+    assert status["replayed"] == list(range(len(eng._layouts))) and not status["loader"]
 
 
 def _assert_abort_ends_the_receive(receive, flag, sync_id: int) -> None:
@@ -137,15 +154,9 @@ def test_two_syncs_in_one_call_each_then_replayed_copies_follow_the_weights(tmp_
             install(model, {"dir": str(tmp_path), "verify": False}, 0, "cpu")
         values = _values(sync_id)
         (sums, timings), out = _sync(eng, sender, values, sync_id)
-        want = checksums(values[s.name] for s in MODEL)
-        assert out["sent"].checksums == want and sums == want
         assert set(timings) == {"load_s", "wait_s", "total_s", "on_device"} and timings["on_device"] == 0.0   # CPU: host hand-over
-        assert_bit_equal(model.qkv.data, torch.cat([values["q"], values["k"]]), f"qkv after sync {sync_id}")
-        assert_bit_equal(model.w.data, values["w"], "w")
-        assert_bit_equal(model.b.data, values["b"], "b")
-    assert eng.checksums([s.name for s in MODEL]) == want
-    status = model._rlhf_state["stream"].replay.status()
-    assert status["replayed"] == list(range(len(eng._layouts))) and not status["loader"]
+        _assert_holds(model, eng, values, sums, out, sync_id)
+    _assert_replayed(model, eng)
 
 
 def test_replay_off_loads_through_the_models_own_loader_every_time(tmp_path):
@@ -227,13 +238,7 @@ def _setup_broadcast(tmp_path, corrupt=None, abort_flag=None):
 
 
 def _bsync(eng, sender, values, sync_id):
-    out = {}
-    t = threading.Thread(target=lambda: out.update(sent=_send(sender, values, sync_id)))
-    t.start()
-    try:
-        return eng.receive_broadcast_stream(sync_id), out
-    finally:
-        t.join(20)
+    return _sync(eng, sender, values, sync_id, eng.receive_broadcast_stream)
 
 
 def test_broadcast_syncs_in_one_call_each_verified_in_the_scheduler_then_replayed(tmp_path):
@@ -241,15 +246,9 @@ def test_broadcast_syncs_in_one_call_each_verified_in_the_scheduler_then_replaye
     for sync_id in (1, 2, 3):
         values = _values(20 + sync_id)
         (sums, timings), out = _bsync(eng, sender, values, sync_id)
-        want = checksums(values[s.name] for s in MODEL)
-        assert out["sent"].checksums == want and sums == want
         assert set(timings) == {"load_s", "total_s"}
-        assert_bit_equal(model.qkv.data, torch.cat([values["q"], values["k"]]), f"qkv after sync {sync_id}")
-        assert_bit_equal(model.w.data, values["w"], "w")
-        assert_bit_equal(model.b.data, values["b"], "b")
-    assert eng.checksums([s.name for s in MODEL]) == want
-    status = model._rlhf_state["stream"].replay.status()
-    assert status["replayed"] == list(range(len(eng._layouts))) and not status["loader"]
+        _assert_holds(model, eng, values, sums, out, sync_id)
+    _assert_replayed(model, eng)
     with pytest.raises(EngineError, match="no ipc stream in this scheduler"):
         eng.receive_stream(4)   # this scheduler's receiver is a broadcast one
 
