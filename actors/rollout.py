@@ -41,6 +41,7 @@ class RolloutActor:
         self.verify = True
         self._gate = threading.Condition()
         self._syncing = False
+        self._receiving = False   # inside a sync's receive (health: a fault benchmark kills inside the transfer)
         self.last_pause: dict[str, float] = {}   # the last pause's parts: seconds, and the engine's counts (see pause)
         self._active = 0   # generate calls past the sync gate (inside the engine, or queued for their turn: "wait" waits)
         self._inside = 0   # generate calls inside the engine
@@ -64,7 +65,7 @@ class RolloutActor:
         the engine is paused or asleep on purpose, and whether it reports every decode step."""
         return {"pid": os.getpid(), "progress": self._calls_done + int(self.engine.progress_steps),
                 "paused": self._syncing or self.engine.is_asleep() or self._awaiting > 0, "syncing": self._syncing,
-                "reports_steps": self.caps.reports_decode_steps}
+                "receiving": self._receiving, "reports_steps": self.caps.reports_decode_steps}
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no generate call is here, running or queued (a replaced rollout manager's orphaned calls end
@@ -187,10 +188,14 @@ class RolloutActor:
         try:
             self.pause(pause_mode)
             t1 = time.perf_counter()
-            if transport == "ipc":
-                sums, m = self.receiver.receive_stream(sync_id, self.verify)
-            else:
-                sums, m = self.receiver.receive_broadcast(self.verify, sync_id)
+            self._receiving = True
+            try:
+                if transport == "ipc":
+                    sums, m = self.receiver.receive_stream(sync_id, self.verify)
+                else:
+                    sums, m = self.receiver.receive_broadcast(self.verify, sync_id)
+            finally:
+                self._receiving = False
         except BaseException:
             abort = getattr(self.receiver, "abort_stream", None)
             if transport == "ipc" and callable(abort):
@@ -221,7 +226,11 @@ class RolloutActor:
         return self.receiver.receive_ipc(handle, bucket_index, self.verify)
 
     def receive_broadcast(self, version: int, sync_id: int = 0):
-        return self.receiver.receive_broadcast(self.verify, sync_id)
+        self._receiving = True
+        try:
+            return self.receiver.receive_broadcast(self.verify, sync_id)
+        finally:
+            self._receiving = False
 
     def rng_state(self):
         """None for engines whose sampling state cannot be saved (vLLM): their resume is not bit-exact."""

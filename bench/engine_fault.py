@@ -29,9 +29,11 @@ import launch  # noqa: E402
 from rlhf_orch.config import engine_names, load_config  # noqa: E402
 
 
-def killer(run_dir: Path, suffix: str, step: int, out: dict, mid_sync: bool = False) -> threading.Thread:
-    """`mid_sync`: after `step` steps, kill at the first moment the engine reports itself inside a weight sync
-    (its health's `syncing`; polled as fast as the calls return, since a colocated sync lasts milliseconds)."""
+def killer(run_dir: Path, suffix: str, step: int, out: dict, mid_sync: str = "") -> threading.Thread:
+    """`mid_sync` "sync": after `step` steps, kill at the first moment the engine reports itself inside a weight sync
+    (its health's `syncing`: from its pause to its resume; polled as fast as the calls return, since a colocated sync
+    lasts milliseconds); "receive": inside the sync's receive (`receiving`), so that the other members are still in
+    the transfer (a survivor blocked in a broadcast, issue #33)."""
     def go():
         metrics, pid, actor = run_dir / "metrics.jsonl", None, None
         while True:
@@ -44,7 +46,8 @@ def killer(run_dir: Path, suffix: str, step: int, out: dict, mid_sync: bool = Fa
                     except Exception:
                         pid = None
             if pid and metrics.exists() and len(metrics.read_text().splitlines()) >= step:
-                if not mid_sync or ray.get(actor.health.remote(), timeout=60)["syncing"]:
+                if not mid_sync or ray.get(actor.health.remote(), timeout=60)[
+                        "receiving" if mid_sync == "receive" else "syncing"]:
                     break
                 continue
             time.sleep(0.05)
@@ -61,7 +64,8 @@ def main() -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--engine", default=None, help="engine name to kill (default: the config's first)")
     p.add_argument("--kill-step", type=int, default=6)
-    p.add_argument("--mid-sync", action="store_true", help="kill inside a weight sync after --kill-step steps")
+    p.add_argument("--mid-sync", nargs="?", const="sync", default="", choices=["sync", "receive"],
+                   help="kill inside a weight sync after --kill-step steps (receive: inside its transfer)")
     p.add_argument("--output-dir", default="/tmp/fault_runs")
     p.add_argument("--copy-to", default=None)
     p.add_argument("overrides", nargs="*")
