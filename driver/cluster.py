@@ -3,8 +3,8 @@ workers, the RolloutManager, the WeightSyncCoordinator and the metric sinks. `Cl
 single handle on the running system; launch.py calls its few verbs (start_rollouts, next_batch,
 train, sync, checkpoint, close). The driver holds metadata and object references, never a step's tokens.
 Its parts live beside it in driver/: checkpoints (find, write, restore, the engines' RNGs at step boundaries, the
-reference snapshot), outputs (metric sinks, rollouts.jsonl, timeline, plots), recovery (a mixin: dead engines, coordinator and manager replaced in place), the overlapped
-sync, colocation hand-overs, placement, evaluation.
+reference snapshot), outputs (metric sinks, rollouts.jsonl, timeline, plots), recovery (a mixin: dead engines,
+coordinator and manager replaced in place), the overlapped sync, colocation hand-overs, placement, evaluation.
 """
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ from pathlib import Path
 import ray
 
 from actors.common import actor_env, get
+from actors.reward import start_reward_workers
+from actors.roles import start_role_groups
+from actors.rollout import RolloutActor
+from actors.trainer import TrainerGroup
 from driver.checkpoints import Checkpoints
 from driver.colocation import Colocation
 from driver.evaluation import run_eval
@@ -24,10 +28,6 @@ from driver.overlap import OverlappedSync
 from driver.placement import allocate
 from driver.ray_session import init_ray
 from driver.recovery import EngineRecovery
-from actors.reward import start_reward_workers
-from actors.roles import start_role_groups
-from actors.rollout import RolloutActor
-from actors.trainer import TrainerGroup
 from rlhf_orch.config import engine_names
 from rlhf_orch.config.checks import pause_mode
 from rlhf_orch.engines import hooks_from_env
