@@ -144,6 +144,9 @@ class CopyPlan:
         the device: the GPU hand-over keeps them there until the sync's end."""
         sums = torch.zeros(self.n_slots, dtype=torch.int64, device=self.device) if out is None else out
         if self.desc is not None:
+            # Triton launches on the calling thread's current device and stream, whatever device the tensors are on
+            # (the SGLang GPU tests: "invalid resource handle" once an earlier test had left GPU 1 current); every
+            # sender's pack and receiver's replay comes through here, so this is the one place that needs it.
             with device_current(self.device):
                 self.kernel[(self.desc.shape[0],)](self.desc, sums, COPY=copy, BLOCK=_BLOCK, num_warps=_WARPS)
         if self.slow:

@@ -48,7 +48,7 @@ from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync.abort import AbortFlag, checker_for
 from rlhf_orch.weight_sync.buckets import BucketLayout, _word_sum, checksums, max_bucket_bytes, slot_view
 from rlhf_orch.weight_sync.collective import BroadcastGroup
-from rlhf_orch.weight_sync.copysum import CopyPlan, PlanCache, Run, as_bytes, device_current
+from rlhf_orch.weight_sync.copysum import CopyPlan, PlanCache, Run, as_bytes
 from rlhf_orch.weight_sync.ipc import IpcHandle, allocate_shared, export_handle, ipc_events, open_event
 from rlhf_orch.weight_sync.mailbox import DEVICE, HOST, SLOTS, Mailbox, seq_of
 
@@ -201,11 +201,7 @@ class WeightSender:
         """`sync_id` numbers this sync for stream engines (the coordinator's count, the same on both sides) and for
         aborts (0: a sync no abort can end)."""
         try:
-            # Our device current for the whole sync: Triton launches the pack on the calling thread's current device
-            # and stream, whatever device the tensors are on (GPU tests: "invalid resource handle" once another
-            # test had left this thread on GPU 1).
-            with device_current(self.device):
-                return self._send(named, version, deliver, wait, sync_id)
+            return self._send(named, version, deliver, wait, sync_id)
         except BaseException as e:
             busy = any(kind == "bcast" and not tok.is_completed() for p in self._pending for kind, _, tok in p)
             for p in self._pending:
