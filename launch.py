@@ -129,13 +129,13 @@ def _last_sync(cluster) -> dict:
 def save_checkpoint(cluster, step: int, rollout_state: dict) -> None:
     """A periodic checkpoint. If it cannot be written (disk full, permissions, a trainer error) the run goes on
     while an earlier good checkpoint exists, with the true cause logged; with none it stops."""
-    from rlhf_orch.checkpoint import checkpoint_dir, find_good   # torch
+    from rlhf_orch.checkpoint import find_good   # torch
     try:
         cluster.checkpoint(step, rollout_state)
     except (CheckpointError, TrainerError, OSError) as e:
         if is_actor_death(e):
             raise
-        good, _ = find_good(checkpoint_dir(cluster.run_dir))
+        good, _ = find_good(cluster.checkpoints.dir)
         if good is None:
             raise
         logger.error("checkpoint of step %d failed: %s; going on (the latest good checkpoint is %s)", step,
