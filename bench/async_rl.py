@@ -52,6 +52,8 @@ from rlhf_orch.models.tiny import CHARS  # noqa: E402
 
 MODES = {"sync": dict(max_staleness=0, partial_rollouts=False), "k1": dict(max_staleness=1, partial_rollouts=False),
          "k1p": dict(max_staleness=1, partial_rollouts=True),
+         # two train steps of cover for a step's longest responses (the latency term k1 cannot hide, RESULTS.md)
+         "k2": dict(max_staleness=2, partial_rollouts=False), "k2p": dict(max_staleness=2, partial_rollouts=True),
          # k1 with every sync on the trainer's path (weight_sync.overlap off): what the overlap buys, same run
          "k1s": dict(max_staleness=1, partial_rollouts=False, overlap=False),
          # k1 whose syncs abort the running requests and re-queue them (running_requests auto waits where, as in k1,
