@@ -29,11 +29,28 @@ import launch  # noqa: E402
 from rlhf_orch.config import engine_names, load_config  # noqa: E402
 
 
-def killer(run_dir: Path, suffix: str, step: int, out: dict, mid_sync: str = "") -> threading.Thread:
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (children first-level first), read from /proc; [] where /proc has no such view."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def killer(run_dir: Path, suffix: str, step: int, out: dict, mid_sync: str = "", tree: bool = False) -> threading.Thread:
     """`mid_sync` "sync": after `step` steps, kill at the first moment the engine reports itself inside a weight sync
     (its health's `syncing`: from its pause to its resume; polled as fast as the calls return, since a colocated sync
     lasts milliseconds); "receive": inside the sync's receive (`receiving`), so that the other members are still in
-    the transfer (a survivor blocked in a broadcast, issue #33)."""
+    the transfer (a survivor blocked in a broadcast, issue #33). `tree`: the actor's child processes die with it,
+    first: vLLM's engine core is a child of the rollout actor and is the member of the sync's NCCL group, so killing
+    the actor alone leaves the transfer to finish (what the GPU runs of the sixth and seventh sessions saw)."""
     def go():
         metrics, pid, actor = run_dir / "metrics.jsonl", None, None
         while True:
@@ -51,8 +68,13 @@ def killer(run_dir: Path, suffix: str, step: int, out: dict, mid_sync: str = "")
                     break
                 continue
             time.sleep(0.05)
-        out.update(pid=pid, t=time.time(), after_step=len(metrics.read_text().splitlines()))
-        os.kill(pid, signal.SIGKILL)
+        kids = descendants(pid) if tree else []
+        out.update(pid=pid, children=kids, t=time.time(), after_step=len(metrics.read_text().splitlines()))
+        for p in [*kids, pid]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     t = threading.Thread(target=go, daemon=True)
     t.start()
@@ -66,6 +88,7 @@ def main() -> int:
     p.add_argument("--kill-step", type=int, default=6)
     p.add_argument("--mid-sync", nargs="?", const="sync", default="", choices=["sync", "receive"],
                    help="kill inside a weight sync after --kill-step steps (receive: inside its transfer)")
+    p.add_argument("--tree", action="store_true", help="also kill the actor's child processes (vLLM's engine core)")
     p.add_argument("--output-dir", default="/tmp/fault_runs")
     p.add_argument("--copy-to", default=None)
     p.add_argument("overrides", nargs="*")
@@ -75,12 +98,12 @@ def main() -> int:
     run = Path(args.output_dir) / cfg.experiment.name
     shutil.rmtree(run, ignore_errors=True)
     info: dict = {}
-    killer(run, f"-engine-{engine}", args.kill_step, info, args.mid_sync)
+    killer(run, f"-engine-{engine}", args.kill_step, info, args.mid_sync, args.tree)
     rc = launch.main(["--config", args.config, f"experiment.output_dir={args.output_dir}", *args.overrides])
     summary = json.loads((run / "summary.json").read_text())
     recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     print(f"\nexit {rc}; status {summary.get('status')}; steps {len(recs)}; killed {engine} (pid {info.get('pid')}) "
-          f"after step {info.get('after_step')}")
+          f"after step {info.get('after_step')}" + (f" with its child processes {info['children']}" if args.tree else ""))
     for f in summary.get("faults", []):
         if "survivors_let_go_s" in f:
             print(f"mid-sync: {f.get('failed_first')} failed first; the other members let go within "

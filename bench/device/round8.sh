@@ -59,5 +59,16 @@ case "${1:-}" in
     wait
     tail -4 "$OUT/gpu_tests.log"
     for mb in 256 128 512; do echo "-- $mb MiB"; grep -E "^\||Error" "$OUT/tp2_$mb.log" | tail -6; done ;;
-  *) echo "usage: $0 a|b|c"; exit 2 ;;
+  fault)   # the fault job of "a" alone, the engine's child processes (vLLM's engine core) killed with it (--tree)
+    CUDA_VISIBLE_DEVICES=0,1,2 timeout -k 15 "${FAULT_TIMEOUT:-480}" python3 bench/engine_fault.py \
+      --config configs/vllm_disagg_2gpu.yaml --kill-step 3 --mid-sync receive --tree --output-dir /tmp/runs \
+      experiment.name=midtree experiment.steps="${STEPS:-20}" "${B3[@]}" engines.0.count=2 \
+      engines.0.enforce_eager=false engines.0.sampling.max_new_tokens=256 data.prompts_per_step=32 \
+      data.max_operand=9 trainer.lr=1e-6 trainer.packing=true trainer.max_tokens_per_micro_batch=16384 \
+      trainer.micro_batch_size=16 trainer.gradient_checkpointing=true algorithm.kl_coef=0 \
+      engines.0.kv_cache_memory_gb=20 engines.0.gpu_memory_utilization=0.5 > "$OUT/midtree.log" 2>&1
+    echo "== midtree exit $?"; keep midtree /tmp/runs/midtree
+    grep -E "^exit|^mid-sync|^fault|^seconds|^median|^\||steps served|replaced|aborted|let go|Traceback|Error" \
+      "$OUT/midtree.log" | cut -c1-300 | tail -40 ;;
+  *) echo "usage: $0 a|b|c|fault"; exit 2 ;;
 esac
