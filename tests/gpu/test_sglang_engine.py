@@ -115,7 +115,7 @@ def test_colocated_stream_into_sglang_in_one_call_per_sync(engine, dirs):
     dev = torch.device("cuda", 0)
     models = [[(n, t.to(dev)) for n, t in named_weights(d, torch.bfloat16)] for d in dirs]
     layouts = plan_buckets([ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in models[0]], 64 * 1024)
-    assert engine.capabilities.streams == {"ipc"}
+    assert engine.capabilities.streams == {"ipc", "broadcast"}   # a single-GPU engine takes both in one call (72a4c1d)
     engine.setup_receiver(layouts, None, 0, True, 120)
     sender = WeightSender(layouts, dev, ["s"], timeout_s=120)
     sender.attach_mailbox("s", engine.connect_stream(sender.buffer_handles(), 120))
