@@ -64,6 +64,19 @@ class _Completion:
     logprobs_missing: bool = False   # a delta with tokens but without (enough) logprobs: report none
 
 
+def decode_many(tok, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
+    """The texts of many samples, each what `tok.decode` gives. A fast tokenizer's `decode_batch` runs in Rust
+    without the GIL; `decode` holds it. At a pause with hundreds of requests ending together (an abort, or equal
+    lengths) the callers' threads decoded ~0.5 ms per 2,048-token sample under the GIL, and the pausing thread waited
+    for it: the pause's `return_s` of 0.2-0.4 s at 512 running (bench/RESULTS.md, seventh session)."""
+    if not ids:
+        return []
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None or getattr(tok, "clean_up_tokenization_spaces", False):   # decode() does more than Rust's
+        return [tok.decode(x, skip_special_tokens=skip_special_tokens) for x in ids]
+    return backend.decode_batch([list(x) for x in ids], skip_special_tokens=skip_special_tokens)
+
+
 class AsyncVLLMRunner:
     def __init__(self, model: str, *, start_timeout_s: float = 1800.0, drain_timeout_s: float = 10.0,
                  **engine_kwargs: Any):
@@ -144,9 +157,12 @@ class AsyncVLLMRunner:
         each = list(sp) if isinstance(sp, (list, tuple)) else [sp] * (1 + max((r[0] for r in rows), default=0))
         if all(p.detokenize for p in each):
             return rows
-        tok = self._llm.tokenizer
-        return [r if each[r[0]].detokenize else
-                (*r[:6], tok.decode(r[2], skip_special_tokens=each[r[0]].skip_special_tokens)) for r in rows]
+        out = list(rows)
+        for skip in (True, False):
+            todo = [i for i, r in enumerate(rows) if not each[r[0]].detokenize and each[r[0]].skip_special_tokens == skip]
+            for i, text in zip(todo, decode_many(self._llm.tokenizer, [rows[i][2] for i in todo], skip)):
+                out[i] = (*rows[i][:6], text)
+        return out
 
     async def _generate(self, prompts: list[list[int]], sp, version_fn) -> list[Row]:
         each = list(sp) if isinstance(sp, (list, tuple)) else [sp] * len(prompts)

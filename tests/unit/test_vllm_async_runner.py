@@ -17,8 +17,9 @@ import pytest
 
 from fake_async_llm import (Bg, FakeAsyncLLM, FakeSamplingParams, RequestOutputKind, TokensPrompt, expected,
                             wait_for)
-from rlhf_orch.engines.vllm_async import AsyncVLLMRunner
+from rlhf_orch.engines.vllm_async import AsyncVLLMRunner, decode_many
 from rlhf_orch.errors import EngineError
+from rlhf_orch.models import build_tokenizer
 
 
 # ---------------------------------------------------------------- the fake vLLM in place (tests/fake_async_llm.py)
@@ -88,6 +89,25 @@ def test_text_decoded_once_at_the_end_when_vllm_does_not_detokenize(make_runner)
     rows = runner.generate(prompts, each, version_fn=lambda: 0)
     for i, idx, toks, _lps, _v, _reason, text in rows:
         assert toks == expected(prompts[i], idx, 17)[0] and text == expected(prompts[i], idx, 17)[2]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_decode_many_gives_what_decode_gives(skip):
+    """The real built-in fast tokenizer: its GIL-free decode_batch path gives each sample's decode() text, special
+    tokens kept or skipped; a tokenizer whose decode() also cleans up spaces, or the fake, keeps decode()."""
+    tok = build_tokenizer()
+    ids = [tok.encode("12+7=19"), [tok.eos_token_id, *tok.encode("3*4")], [], tok.encode("x") * 300]
+    want = [tok.decode(x, skip_special_tokens=skip) for x in ids]
+    assert decode_many(tok, ids, skip) == want and decode_many(tok, [], skip) == []
+    calls = []
+
+    class CleanUp:   # decode() with clean-up: the per-sample path, not Rust's decode_batch
+        clean_up_tokenization_spaces, backend_tokenizer = True, tok.backend_tokenizer
+
+        def decode(self, x, skip_special_tokens):
+            calls.append(len(x))
+            return tok.decode(x, skip_special_tokens=skip_special_tokens)
+    assert decode_many(CleanUp(), ids, skip) == want and calls == [len(x) for x in ids]
 
 
 def test_pause_records_its_parts_and_the_open_requests(make_runner):
