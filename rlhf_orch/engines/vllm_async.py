@@ -66,9 +66,9 @@ class _Completion:
 
 def decode_many(tok, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
     """The texts of many samples, each what `tok.decode` gives. A fast tokenizer's `decode_batch` runs in Rust
-    without the GIL; `decode` holds it. At a pause with hundreds of requests ending together (an abort, or equal
-    lengths) the callers' threads decoded ~0.5 ms per 2,048-token sample under the GIL, and the pausing thread waited
-    for it: the pause's `return_s` of 0.2-0.4 s at 512 running (bench/RESULTS.md, seventh session)."""
+    without the GIL; `decode` holds it. When hundreds of requests end together (an abort) their callers' threads
+    decoded ~0.5 ms per 2,048-token sample under the GIL while the pausing thread waited for it: the abort pause's
+    `return_s` of 0.43 s at 512 running (bench/RESULTS.md, seventh session)."""
     if not ids:
         return []
     backend = getattr(tok, "backend_tokenizer", None)
