@@ -63,11 +63,17 @@ class EngineRecovery:
             f.update(mid_sync)
         return True
 
-    def _start_coordinator(self, name: str) -> None:
-        """The weight-sync coordinator, its plan made and its groups created (and warmed up)."""
-        cfg, ws = self.cfg, self.cfg.weight_sync
-        self.coordinator = WeightSyncCoordinator.options(name=name, runtime_env={"env_vars": self.env}).remote(
-            self.trainers.actors, self.engines, cfg.trainer.device, cfg.model.dtype, ws)
+    def _new_coordinator(self, name: str):
+        """The weight-sync coordinator's actor over the current trainer ranks and engines; no call made to it yet."""
+        cfg = self.cfg
+        return WeightSyncCoordinator.options(name=name, runtime_env={"env_vars": self.env}).remote(
+            self.trainers.actors, self.engines, cfg.trainer.device, cfg.model.dtype, cfg.weight_sync)
+
+    def _start_coordinator(self, name: str, actor=None) -> None:
+        """The weight-sync coordinator (`actor`: one made earlier by _new_coordinator), its plan made and its groups
+        created (and warmed up)."""
+        ws = self.cfg.weight_sync
+        self.coordinator = actor if actor is not None else self._new_coordinator(name)
         # Parameter specs and group creation: the configured deadline, else the model's (known only after the specs).
         info = get(self.coordinator.setup.remote(), ws.timeout_s or self.timeout, "weight-sync setup", WeightSyncError)
         self.sync_timeout, self.plan = info["timeout_s"], info["plan"]

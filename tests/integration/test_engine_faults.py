@@ -182,7 +182,10 @@ def test_a_member_killed_during_a_weight_sync_is_abandoned_by_the_others_at_once
                                 ("-trainer-0", 10, "-engine-colocated.r1")], info, poll_s=0.02)
     set_engine_hooks(monkeypatch, {**SLOW, "sync_delay_s": 1.0}, {**SLOW, "sync_delay_s": 1.0})
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
-                      "experiment.name=midsync", "experiment.steps=12", "trainer.checkpoint_every=4", *COMMON])
+                      "experiment.name=midsync", "experiment.steps=12", "trainer.checkpoint_every=4",
+                      # each step waits for a replacement's first verified sync: started in the background, the
+                      # dedicated one's first sync was at times the one the trainer's kill at step ~10 aborts
+                      "fault_tolerance.replacement_start=wait", *COMMON])
     killer.join(timeout=5)
     assert rc == 0 and len(info) == 3 and all("pid" in k for k in info), info
     _, summary = _check_run(run, 12)
