@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -142,6 +143,19 @@ def save_checkpoint(cluster, step: int, rollout_state: dict) -> None:
                      str(e).splitlines()[0], good)
 
 
+def save_snapshot(cluster, step: int, rollout_state: dict) -> dict:
+    """The step snapshot of `step` (fault_tolerance.step_snapshots), and its cost as metrics. One that cannot be
+    written (RAM full, a trainer error) is logged and skipped: the periodic checkpoints still hold."""
+    try:
+        cost = cluster.checkpoint(step, rollout_state, snapshot=True)
+        return {"checkpoint/snapshot_s": cost["s"], "checkpoint/snapshot_gb": cost["gb"]}
+    except (CheckpointError, TrainerError, OSError) as e:
+        if is_actor_death(e):
+            raise
+        logger.error("step snapshot of step %d failed: %s; going on", step, str(e).splitlines()[0])
+        return {}
+
+
 def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict | None = None, eval_set=None,
         restarts: list[dict] | None = None) -> dict:
     """The run; fills `summary` (also when it fails: ledger, faults, where it resumed from, the last evaluation)
@@ -184,6 +198,10 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
         cluster.snapshot_reference(bool(resumed))
         start = resumed["step"] + 1 if resumed else 1
         summary["resumed_from"] = start - 1 if resumed else None
+        summary["last_step"] = start - 1   # the last completed step (a restart record's steps_redone)
+        if restarts and "resumed_from" not in restarts[-1]:   # this segment is the restart's: where it went on from
+            restarts[-1].update(resumed_from=start - 1,
+                                steps_redone=max(0, (restarts[-1].get("last_step") or 0) - (start - 1)))
         sync_metrics = cluster.sync(start - 1)                       # engines start from the trainer's weights
         syncs, verified = 1, int(sync_metrics["sync/checksum_ok"] == 1.0)
         logger.info("initial sync: %.1f MB in %.3fs (%s)", sync_metrics["sync/bytes"] / 1e6,
@@ -191,9 +209,12 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
         cluster.start_rollouts(start, start - 1, resumed)
         quiet_bar.enter_context(logging_redirect_tqdm())   # log lines above the progress bar, not glued onto it
         bar = tqdm(range(start, last + 1), initial=start - 1, total=last, desc=cfg.algorithm.name.upper(), file=sys.stderr)
+        snap: dict = {}   # the cost of the step snapshot written after the previous step, in this step's record
         for step in bar:
             m, meta = rl_step(cluster, cfg, step)
+            m.update(snap)
             records.append({"step": step, **m})
+            summary["last_step"] = step
             _recovered(cluster.faults + (restarts or []), step)
             cluster.log_rollouts(step, meta)
             rollout_state = meta["state"]   # the data cursor and untrained draws after this step
@@ -217,6 +238,9 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
             if policy.due(step) and step < last:   # the last step's checkpoint is written by close()
                 save_checkpoint(cluster, step, rollout_state)
                 policy.mark_done()
+                snap = {}
+            elif cfg.fault_tolerance.step_snapshots and step < last:
+                snap = save_snapshot(cluster, step, rollout_state)
         tail = cluster.overlap.last()   # the last step's sync, if it overlapped (its step's record is written)
         return summary
     finally:
@@ -305,7 +329,7 @@ def main(argv=None) -> int:
 
 def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set) -> int:
     """The run with its automatic restarts from the latest checkpoint; writes summary.json; returns the exit code."""
-    from rlhf_orch.checkpoint import checkpoint_dir, find_good   # torch
+    from rlhf_orch.checkpoint import checkpoint_dir, find_good, snapshot_dir   # torch
     from driver.ray_session import stop_ray   # imports Ray (seconds): not at the top, so --help stays instant
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
@@ -327,12 +351,14 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
             # A dead trainer rank, reward worker or manager: restart from the latest good checkpoint (a dead
             # coordinator is replaced in place, driver/recovery.py).
             if is_actor_death(e) and len(restarts) < cfg.fault_tolerance.max_run_restarts and not _STOPPING:
-                restarts.append({"t": time.time(), "error": str(e).splitlines()[0][:500]})
+                restarts.append({"t": time.time(), "error": str(e).splitlines()[0][:500],
+                                 "last_step": summary.get("last_step")})
                 faults.extend(summary.get("faults", []))
                 good, _ = find_good(checkpoint_dir(run_dir))
                 logger.error("run failed (%s); restarting it by itself (restart %d of %d, fault_tolerance."
                              "max_run_restarts) from %s", str(e).splitlines()[0], len(restarts),
-                             cfg.fault_tolerance.max_run_restarts, f"its checkpoint {good}" if good else
+                             cfg.fault_tolerance.max_run_restarts, "its latest step snapshot or checkpoint"
+                             if cfg.fault_tolerance.step_snapshots else f"its checkpoint {good}" if good else
                              "step 1: no checkpoint yet (trainer.checkpoint_every / checkpoint_every_minutes)")
                 cfg = cfg.model_copy(update={"resume": True})   # the dataset here was never drawn from: same order
                 stop_ray()
@@ -343,6 +369,13 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
             break
     summary["faults"] = faults + summary.get("faults", [])
     summary["run_restarts"] = restarts
+    snaps = snapshot_dir(run_dir, cfg.fault_tolerance.snapshot_dir) if cfg.fault_tolerance.step_snapshots else None
+    if snaps is not None and snaps.exists():
+        if summary.get("status") == "failed":   # `resume: true` continues from it while this machine keeps it
+            logger.warning("the last step snapshot stays in %s (RAM): a resume continues from it; delete the folder "
+                           "to free the memory", snaps)
+        else:   # finished or stopped: the final checkpoint holds the last completed step
+            shutil.rmtree(snaps, ignore_errors=True)
     job = ray_job_id(dict(os.environ), os.getcwd())
     if job is not None:   # `ray job submit`: which submission this was (its id also names the default folder)
         summary["ray_job"] = job

@@ -86,7 +86,8 @@ def table(summary: dict) -> str:
     rows = [(f.get("victim") or f"engine {f.get('engine')}", f.get("recovery") or ("in place" if f.get("replacement")
             else "none"), f.get("next_step_s"), f.get("steps_redone", 0)) for f in summary.get("faults", [])]
     resumed = summary.get("resumed_from")
-    rows += [(r["error"].split(":")[0][:60], "run restart", r.get("next_step_s"), "since the last checkpoint")
+    rows += [(r["error"].split(":")[0][:60], "run restart" + (f" from step {r['resumed_from']}" if "resumed_from" in r
+              else ""), r.get("next_step_s"), r.get("steps_redone", "since the last checkpoint"))
              for r in summary.get("run_restarts", [])]
     lines = ["| victim | recovery | seconds to the next completed step | steps redone |", "|---|---|---|---|"]
     for victim, how, secs, redone in rows:

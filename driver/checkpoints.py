@@ -7,16 +7,23 @@ HF export), given a manifest of digests and renamed; `latest` moves last, so an 
 checkpoint in charge (rlhf_orch/checkpoint.py owns the files and that protocol). Resuming takes the last good one (a
 corrupt latest: the one before) and says in `resume_notes` why a resume is not bit-exact.
 
+Step snapshots (fault_tolerance.step_snapshots) are the same checkpoint, without the HF export, written after every
+step into a folder in RAM (rlhf_orch/checkpoint.py's snapshot_dir) that keeps only the newest: a run restarted after a
+trainer rank died resumes from whichever of the snapshot and the periodic checkpoint holds the later step (issue #34).
+
 It holds no actor: the trainer, critic and reference groups and the engines it writes from or restores into are
 passed to each call (driver/cluster.py's Cluster owns them). It decides nothing about when to checkpoint (launch.py).
 """
 from __future__ import annotations
 
 import logging
+import shutil
+import time
 from pathlib import Path
 
 from actors.common import get
-from rlhf_orch.checkpoint import checkpoint_dir, commit, find_good, read_rl_state, staging_dir, write_rl_state
+from rlhf_orch.checkpoint import (checkpoint_dir, commit, find_good, read_rl_state, snapshot_dir, staging_dir, tag_step,
+                                  write_rl_state)
 from rlhf_orch.errors import EngineError
 from rlhf_orch.metrics.timeline import Timeline
 from rlhf_orch.trainer.export import export_spec
@@ -28,7 +35,9 @@ class Checkpoints:
     def __init__(self, cfg, run_dir: Path, model_path: str, timeline: Timeline):
         self.cfg, self.model_path, self.timeline = cfg, model_path, timeline
         self.dir = checkpoint_dir(run_dir)
-        self.resume_from: tuple[str, dict, dict] | None = None   # (tag, rl_state, tensors) when resuming
+        ft = cfg.fault_tolerance
+        self.snap_dir = snapshot_dir(run_dir, ft.snapshot_dir) if ft.step_snapshots else None
+        self.resume_from: tuple[Path, str, dict, dict] | None = None   # (folder, tag, rl_state, tensors) when resuming
         self.resume_notes: list[str] = []    # why a checkpoint was skipped, or why the resume is not bit-exact
         self.boundary_rngs: dict | None = None   # engines' sampling RNGs after the last completed step (step_boundary)
         self._rng_capable = True
@@ -37,11 +46,22 @@ class Checkpoints:
         """The RL state of the last good checkpoint, read once at start (None: there is none); notes why a corrupt
         latest one was skipped."""
         tag, self.resume_notes = find_good(self.dir)
+        folder = self.dir
+        if self.snap_dir is not None:   # a step snapshot later than the periodic checkpoint wins
+            snap, notes = find_good(self.snap_dir)
+            self.resume_notes += notes
+            if tag_step(snap) > tag_step(tag):
+                tag, folder = snap, self.snap_dir
         if tag is None:
             return None
-        state, tensors = read_rl_state(self.dir / tag)
-        self.resume_from = (tag, state, tensors)
+        state, tensors = read_rl_state(folder / tag)
+        self.resume_from = (folder, tag, state, tensors)
         return state
+
+    def clear_snapshots(self) -> None:
+        """Free the RAM of the step snapshots (a fresh run's start: an earlier run's are stale; a run's end)."""
+        if self.snap_dir is not None and self.snap_dir.exists():
+            shutil.rmtree(self.snap_dir, ignore_errors=True)
 
     def engine_rngs(self, engines: dict, slots: dict, timeout: float) -> dict:
         """{slot: sampling RNG state} of every live engine that can save one (a replacement restores its slot)."""
@@ -63,12 +83,13 @@ class Checkpoints:
         self._rng_capable = any(v is not None for v in self.boundary_rngs.values())
 
     def write(self, step: int, rollout_state: dict, ledger: dict, trainers, critics, engines: dict, slots: dict,
-              timeout: float) -> None:
-        """Checkpoint `step`: `rollout_state` is the manager's state after it, `ledger` the run's whole ledger."""
-        tag = f"step{step}"
-        with self.timeline.span("trainer", "checkpoint"):
-            stage = staging_dir(self.dir, tag)
-            path = trainers.call("save_checkpoint", str(self.dir), stage.name, {"step": step})[0]
+              timeout: float, snapshot: bool = False) -> dict:
+        """Checkpoint `step`: `rollout_state` is the manager's state after it, `ledger` the run's whole ledger.
+        `snapshot`: a step snapshot (no HF export; only the newest kept). Returns its seconds and gigabytes."""
+        tag, base, t0 = f"step{step}", self.snap_dir if snapshot else self.dir, time.perf_counter()
+        with self.timeline.span("trainer", "snapshot" if snapshot else "checkpoint"):
+            stage = staging_dir(base, tag)
+            path = trainers.call("save_checkpoint", str(base), stage.name, {"step": step})[0]
             if critics is not None:   # where a colocated critic saves too: inside the policy's tag folder
                 critics.call("save_checkpoint", path, "critic")
             rngs = self.boundary_rngs if self.boundary_rngs is not None else self.engine_rngs(engines, slots, timeout)
@@ -81,20 +102,23 @@ class Checkpoints:
                                    "rollout": {"pending": rollout_state["pending"], "ledger": ledger},
                                    "engine_rng_missing": sorted(missing)},
                            {f"engine_rng/{n}": r for n, r in rngs.items() if r is not None})
-            if self.cfg.trainer.export_hf:   # the policy with the run's tokenizer, chat template and sampling defaults
+            if self.cfg.trainer.export_hf and not snapshot:   # the policy with the run's tokenizer, chat template, sampling
                 trainers.call("export_hf", str(stage / "hf"), export_spec(self.cfg, self.model_path))
-            commit(self.dir, tag, self.cfg.trainer.keep_checkpoints)
-        logger.info("checkpoint %s written", self.dir / tag)
+            final = commit(base, tag, 1 if snapshot else self.cfg.trainer.keep_checkpoints)
+        gb = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 1e9
+        (logger.debug if snapshot else logger.info)("%s %s written (%.3f GB)", "snapshot" if snapshot else "checkpoint",
+                                                    final, gb)
+        return {"s": time.perf_counter() - t0, "gb": gb}
 
     def restore(self, trainers, critics, engines: dict, timeout: float) -> dict | None:
         """Load the checkpoint found at start into the trainers and engines' RNGs; None if there was none."""
         if self.resume_from is None:
             logger.warning("no checkpoint in %s to continue from: starting from step 1", self.dir)
             return None
-        tag, state, tensors = self.resume_from
-        trainers.call("load_checkpoint", str(self.dir), tag)
+        folder, tag, state, tensors = self.resume_from
+        trainers.call("load_checkpoint", str(folder), tag)
         if critics is not None:
-            critics.call("load_checkpoint", str(self.dir / tag), "critic")
+            critics.call("load_checkpoint", str(folder / tag), "critic")
         get([e.set_rng_state.remote(tensors.get(f"engine_rng/{n}")) for n, e in engines.items()],
             timeout, "engine RNG restore", EngineError)
         lost = [n for n in engines if f"engine_rng/{n}" not in tensors]
@@ -102,7 +126,7 @@ class Checkpoints:
             self.resume_notes.append(f"resume from {tag} is not bit-exact: no sampling RNG state for engine(s) "
                                      f"{lost} (dead when it was written, or an engine kind that cannot save it)")
             logger.warning("%s", self.resume_notes[-1])
-        logger.info("resumed from %s (step %d)", self.dir / tag, state["step"])
+        logger.info("resumed from %s (step %d)", folder / tag, state["step"])
         return state
 
     @property

@@ -88,6 +88,8 @@ class Cluster(EngineRecovery):
             # SGLang turns NCCL's cuMem allocator off in its processes (engine.py:1583); a trainer-side end of
             # the same communicator with it on fails its first broadcast ("unhandled cuda error").
             os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+        if not cfg.resume:
+            self.checkpoints.clear_snapshots()   # an earlier run's step snapshots: stale for this one
         state = self.checkpoints.find() if cfg.resume else None   # read once
         if state is not None:
             self.ledger_base = state.get("rollout", {}).get("ledger", {})
@@ -281,11 +283,12 @@ class Cluster(EngineRecovery):
         """The sync after step `version`'s update: whole, or overlapping the next step (driver/overlap.py)."""
         return self.overlap.step(version) if self.overlap.wanted() else self.sync(version)
 
-    def checkpoint(self, step: int, rollout_state: dict) -> None:
-        """Checkpoint `step` (driver/checkpoints.py); `rollout_state` is the manager's state after it."""
+    def checkpoint(self, step: int, rollout_state: dict, snapshot: bool = False) -> dict:
+        """Checkpoint `step` (driver/checkpoints.py; `snapshot`: a step snapshot); `rollout_state` is the manager's
+        state after it. Returns its seconds and gigabytes."""
         self.to_train()   # after an evaluation colocated engines hold the GPU: the trainers' states come back first
-        self.checkpoints.write(step, rollout_state, self._whole_ledger(rollout_state["ledger"]), self.trainers,
-                               self.critics, self.engines, self.slots, self.timeout)
+        return self.checkpoints.write(step, rollout_state, self._whole_ledger(rollout_state["ledger"]), self.trainers,
+                                      self.critics, self.engines, self.slots, self.timeout, snapshot)
 
     def step_boundary(self) -> None:
         """The engines' sampling RNGs as this step leaves them (what its checkpoint holds; driver/checkpoints.py)."""

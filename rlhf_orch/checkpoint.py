@@ -53,6 +53,25 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def snapshot_dir(run_dir: str | Path, configured: str | None = None, shm: str | Path = "/dev/shm") -> Path:
+    """Where a run's step snapshots live (fault_tolerance.step_snapshots): `configured`, else a folder in RAM
+    (/dev/shm) named after the user, the run and the run folder's absolute path (two runs of one name in different
+    folders do not share it), else <run>/snapshots."""
+    if configured:
+        return Path(configured)
+    run = Path(run_dir).resolve()
+    if not Path(shm).is_dir():
+        return run / "snapshots"
+    digest = hashlib.sha256(str(run).encode()).hexdigest()[:12]
+    return Path(shm) / f"rlhf_orch-{os.getuid()}" / f"{run.name}-{digest}"
+
+
+def tag_step(tag: str | None) -> int:
+    """The step of checkpoint tag `step<N>` (-1 for None or another name)."""
+    m = _STEP_TAG.fullmatch(tag or "")
+    return int(m.group(1)) if m else -1
+
+
 @contextmanager
 def _os_errors(tag: str, what: str, path=None):
     """OSError -> CheckpointError naming the checkpoint, the action, the file (the OS's, else `path`; none

@@ -3,8 +3,10 @@ run ends exactly where an uninterrupted one does; a dead weight-sync coordinator
 replaced in place instead (issue #34: no restart, no step redone; the reward worker's samples are scored again by its
 replacement; the manager's replacement continues from the state handed over with the last batch). One run of 20
 steps (checkpoints every 3, the reference in a group of its own) SIGKILLs each victim in turn: trainer rank 1 at step
-~4, the reward worker at ~8, the coordinator at ~10, reference worker 1 at ~13, the rollout manager at ~17. The 20
-steps match the synchronous-loop baseline recorded before the rollout manager existed
+~4, the reward worker at ~8, the coordinator at ~10, reference worker 1 at ~13, the rollout manager at ~17. The run
+keeps step snapshots (fault_tolerance.step_snapshots): each restart resumes from the last completed step, not from the
+periodic checkpoint, so at most the step the kill interrupted is trained again; the snapshots' RAM is freed at the end.
+The 20 steps match the synchronous-loop baseline recorded before the rollout manager existed
 (tests/data/tiny_cpu_20steps_baseline.json) to 1e-6; summary.json lists every restart and each in-place repair.
 (Each victim used to get a run of its own: five runs, ~160 s on the CI machine.)"""
 import json
@@ -18,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 from baselines import baseline  # noqa: E402
 from bench.recovery import kill_in_turn  # noqa: E402   (the benchmark's, one copy)
+from rlhf_orch.checkpoint import snapshot_dir  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 KILLS_PROCESSES = True   # the shared Ray is shut down after this module (tests/integration/conftest.py)
@@ -33,7 +36,7 @@ def test_each_killed_member_restarts_the_run_or_is_replaced_and_the_run_ends_exa
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                       "experiment.name=restart", "experiment.steps=20", "trainer.checkpoint_every=3",
                       "fault_tolerance.max_run_restarts=2", "reference.placement=separate", "reference.num_workers=2",
-                      *QUIET])
+                      "fault_tolerance.step_snapshots=true", *QUIET])
     killer.join(timeout=5)
     assert rc == 0 and [k.get("victim") for k in info] == [v for v, _ in VICTIMS], info
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
@@ -46,7 +49,13 @@ def test_each_killed_member_restarts_the_run_or_is_replaced_and_the_run_ends_exa
     assert summary["ledger"]["trained"] == 20 * 16   # one ledger for all five segments (issue #31)
     restarts = summary["run_restarts"]   # trainer rank 1, reference worker 1
     assert len(restarts) == 2 and all("died" in r["error"] for r in restarts), restarts
-    assert summary["resumed_from"] >= 12   # the last restart (the reference's, at ~13) from the checkpoint before it
+    # From the step snapshot of the last completed step (or, if the kill hit that snapshot's write, the one before):
+    # never back to the periodic checkpoint (every 3 steps) once it is older than that.
+    for r, (victim, step) in zip(restarts, [VICTIMS[0], VICTIMS[3]]):
+        assert r["last_step"] >= step and r["steps_redone"] <= 1 and r["resumed_from"] == r["last_step"] - r["steps_redone"], r
+    snapped = [r for r in records if "checkpoint/snapshot_s" in r]
+    assert len(snapped) >= 10 and all(r["checkpoint/snapshot_gb"] > 0 for r in snapped)
+    assert not snapshot_dir(run).exists()   # freed once the run finished
     [fault] = [f for f in summary["faults"] if f.get("victim") == "rollout manager"]
     assert fault["recovery"] == "in place" and fault["replacement"] == "restart-rollouts.r1", fault
     assert fault["steps_redone"] == 0 and fault["replaced_s"] < 60, fault

@@ -272,3 +272,36 @@ def test_policy_steps_and_minutes():
     off = C.CheckpointPolicy(0, 0, clock=lambda: now[0])
     now[0] += 1e6
     assert not any(off.due(s) for s in range(1, 50))
+
+
+def test_snapshot_dir_in_ram_per_user_and_run_folder(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    a, b = C.snapshot_dir(tmp_path / "x" / "run", shm=shm), C.snapshot_dir(tmp_path / "y" / "run", shm=shm)
+    assert a.parent == b.parent == shm / f"rlhf_orch-{os.getuid()}" and a != b and a.name.startswith("run-")
+    assert C.snapshot_dir(tmp_path / "x" / "run", shm=shm) == a   # the same folder for the same run (a restart)
+    assert C.snapshot_dir(tmp_path / "run", shm=tmp_path / "none") == (tmp_path / "run" / "snapshots").resolve()
+    assert C.snapshot_dir(tmp_path / "run", "/somewhere/else", shm=shm) == C.Path("/somewhere/else")
+    assert [C.tag_step(t) for t in ("step12", "step0", None, "reference", "step3x")] == [12, 0, -1, -1, -1]
+
+
+def test_driver_resumes_from_the_later_of_snapshot_and_checkpoint(tmp_path):
+    """driver/checkpoints.py: a step snapshot later than the periodic checkpoint wins, an earlier one does not; a
+    snapshot keeps only the newest; clear_snapshots frees the folder."""
+    from driver.checkpoints import Checkpoints
+    from rlhf_orch.config import load_config
+    from rlhf_orch.metrics.timeline import Timeline
+    cfg = load_config("configs/tiny_cpu.yaml", ["fault_tolerance.step_snapshots=true",
+                                                f"fault_tolerance.snapshot_dir={tmp_path / 'snaps'}"])
+    cp = Checkpoints(cfg, tmp_path / "run", "model", Timeline())
+    assert cp.find() is None and cp.resume_from is None
+    cp.dir.mkdir(parents=True)
+    save(cp.dir, 3, keep=2)
+    for step in (4, 5):
+        save(cp.snap_dir, step, keep=1)
+    assert cp.find()["step"] == 5 and cp.resume_from[:2] == (cp.snap_dir, "step5")
+    assert sorted(p.name for p in cp.snap_dir.iterdir() if p.name.startswith("step")) == ["step5"]
+    save(cp.dir, 6, keep=2)
+    assert cp.find()["step"] == 6 and cp.resume_from[:2] == (cp.dir, "step6")
+    cp.clear_snapshots()
+    assert not cp.snap_dir.exists() and cp.find()["step"] == 6
