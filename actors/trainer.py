@@ -243,8 +243,9 @@ class TrainerActor:
     def shutdown(self) -> None:
         """Leave the process groups in order, so no rank dies on a store whose host already exited."""
         import torch.distributed as dist
-        if self.sender is not None and self.sender.group is not None:
-            self.sender.group.destroy()
+        if self.sender is not None:
+            self.sender.release()   # CPU: its shared buffers' names; the driver kills this process next
+        self.close_sender()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -17,6 +17,7 @@ host waiting for its own GPU.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import uuid
 from dataclasses import dataclass
@@ -42,6 +43,24 @@ def allocate_shared(nbytes: int, device: torch.device) -> tuple[str, torch.Tenso
     else:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     return uuid.uuid4().hex, buf
+
+
+_UNLINKED: list[torch.Tensor] = []   # buffers whose name is gone: never freed (torch's free would unlink again)
+
+
+def unlink_shared(buf: torch.Tensor) -> None:
+    """Remove a CPU shared buffer's name from /dev/shm, for a process about to be killed. The name goes when the
+    last process using the buffer frees it, but Ray kills the actors at a run's end, so every run left its sender's
+    buffers in /dev/shm. The buffer is kept alive until the process ends: freeing it would make torch unlink the
+    name again, which aborts the process. Processes that mapped it keep their pages. CPU only (CUDA has no name)."""
+    if buf.device.type != "cpu" or not buf.is_shared():
+        return
+    name = buf.untyped_storage()._share_filename_cpu_()[1]   # the name it already has
+    try:
+        os.unlink("/dev/shm/" + name.decode().lstrip("/"))
+    except FileNotFoundError:
+        return
+    _UNLINKED.append(buf)
 
 
 _SHM_MANAGER_STARTED = False

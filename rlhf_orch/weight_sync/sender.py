@@ -49,7 +49,7 @@ from rlhf_orch.weight_sync.abort import AbortFlag, checker_for
 from rlhf_orch.weight_sync.buckets import BucketLayout, _word_sum, checksums, max_bucket_bytes, slot_view
 from rlhf_orch.weight_sync.collective import BroadcastGroup
 from rlhf_orch.weight_sync.copysum import CopyPlan, PlanCache, Run, as_bytes
-from rlhf_orch.weight_sync.ipc import IpcHandle, allocate_shared, export_handle, ipc_events, open_event
+from rlhf_orch.weight_sync.ipc import IpcHandle, allocate_shared, export_handle, ipc_events, open_event, unlink_shared
 from rlhf_orch.weight_sync.mailbox import DEVICE, HOST, SLOTS, Mailbox, seq_of
 
 Deliver = Callable[[str, object, int, int], object]   # (engine, IpcHandle, bucket index, version) -> token
@@ -103,6 +103,12 @@ class WeightSender:
     def buffer_handles(self) -> list[IpcHandle]:
         """The ring buffers' handles, for engines that stream (opened once by `WeightReceiver.connect_stream`)."""
         return list(self._handles) if self.ipc_engines else []
+
+    def release(self) -> None:
+        """The process is about to be killed (the run's end): its CPU ring buffers' names leave /dev/shm, the
+        buffers stay mapped until then (ipc.unlink_shared)."""
+        for _, buf in self._bufs:
+            unlink_shared(buf)
 
     def attach_mailbox(self, engine: str, handle: bytes) -> None:
         if engine not in self.ipc_engines:

@@ -346,3 +346,17 @@ def test_a_staged_send_carries_the_weights_of_the_stage_not_later_ones():
     assert again.staged_version == 1 and [checksums([t])[0] for _, t in again.staged()] == res.checksums
     with pytest.raises(WeightSyncError, match="expects"):   # a stage checks the layout like a send
         sender.stage(iter(reversed(list(live.items()))), 2)
+
+
+def test_release_takes_the_cpu_buffers_names_out_of_dev_shm_and_a_sync_still_works():
+    """A trainer rank about to be killed (the run's end) releases its sender: the ring buffers' /dev/shm names go
+    (each run used to leave them there), the mapped pages stay, so a sync in flight or a mapped receiver still works."""
+    sender, params, deliver, wait = _ipc_sender_and_receiver(1536)
+    names = ["/dev/shm/" + b.untyped_storage()._share_filename_cpu_()[1].decode().lstrip("/") for _, b in sender._bufs]
+    assert names and all(os.path.exists(n) for n in names)
+    sender.release()
+    assert not any(os.path.exists(n) for n in names)
+    values = {s.name: torch.randn(s.shape) for s in SMALL}
+    res = sender.send(iter(values.items()), 1, deliver, wait)
+    assert res.checksums == checksums(values.values()) and all(torch.equal(params[n], v) for n, v in values.items())
+    sender.release()   # twice: nothing left to remove
