@@ -47,7 +47,9 @@ class Checkpoints:
         latest one was skipped."""
         tag, self.resume_notes = find_good(self.dir)
         folder = self.dir
-        if self.snap_dir is not None:   # a step snapshot later than the periodic checkpoint wins
+        # A step snapshot later than the periodic checkpoint wins, if this folder holds the run it was taken of (one
+        # deleted and started again with resume: true finds a failed run's snapshot in RAM, but no rollouts.jsonl).
+        if self.snap_dir is not None and (self.dir.parent / "rollouts.jsonl").exists():
             snap, notes = find_good(self.snap_dir)
             self.resume_notes += notes
             if tag_step(snap) > tag_step(tag):

@@ -299,6 +299,8 @@ def test_driver_resumes_from_the_later_of_snapshot_and_checkpoint(tmp_path):
     save(cp.dir, 3, keep=2)
     for step in (4, 5):
         save(cp.snap_dir, step, keep=1)
+    assert cp.find()["step"] == 3   # no rollouts.jsonl: the folder was started again, the snapshot is another run's
+    (tmp_path / "run" / "rollouts.jsonl").write_text("")
     assert cp.find()["step"] == 5 and cp.resume_from[:2] == (cp.snap_dir, "step5")
     assert sorted(p.name for p in cp.snap_dir.iterdir() if p.name.startswith("step")) == ["step5"]
     save(cp.dir, 6, keep=2)
