@@ -159,7 +159,8 @@ class AsyncVLLMRunner:
             return rows
         out = list(rows)
         for skip in (True, False):
-            todo = [i for i, r in enumerate(rows) if not each[r[0]].detokenize and each[r[0]].skip_special_tokens == skip]
+            todo = [i for i, r in enumerate(rows)
+                    if not each[r[0]].detokenize and bool(each[r[0]].skip_special_tokens) == skip]
             for i, text in zip(todo, decode_many(self._llm.tokenizer, [rows[i][2] for i in todo], skip)):
                 out[i] = (*rows[i][:6], text)
         return out
