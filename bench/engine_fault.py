@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import ray
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,28 +30,14 @@ import launch  # noqa: E402
 from rlhf_orch.config import engine_names, load_config  # noqa: E402
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process under `pid` (children first-level first), read from /proc; [] where /proc has no such view."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop(0)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                kids = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
-
-
 def killer(run_dir: Path, suffix: str, step: int, out: dict, mid_sync: str = "", tree: bool = False) -> threading.Thread:
     """`mid_sync` "sync": after `step` steps, kill at the first moment the engine reports itself inside a weight sync
     (its health's `syncing`: from its pause to its resume; polled as fast as the calls return, since a colocated sync
     lasts milliseconds); "receive": inside the sync's receive (`receiving`), so that the other members are still in
     the transfer (a survivor blocked in a broadcast, issue #33). `tree`: the actor's child processes die with it,
     first: vLLM's engine core is a child of the rollout actor and is the member of the sync's NCCL group, so killing
-    the actor alone leaves the transfer to finish (what the GPU runs of the sixth and seventh sessions saw)."""
+    the actor alone leaves the transfer to finish (what the GPU runs of the sixth and seventh sessions saw); children
+    die first, as vLLM's own kill_process_tree does."""
     def go():
         metrics, pid, actor = run_dir / "metrics.jsonl", None, None
         while True:
@@ -68,7 +55,7 @@ def killer(run_dir: Path, suffix: str, step: int, out: dict, mid_sync: str = "",
                     break
                 continue
             time.sleep(0.05)
-        kids = descendants(pid) if tree else []
+        kids = [c.pid for c in psutil.Process(pid).children(recursive=True)] if tree else []
         out.update(pid=pid, children=kids, t=time.time(), after_step=len(metrics.read_text().splitlines()))
         for p in [*kids, pid]:
             try:
