@@ -10,6 +10,7 @@ wait for its end (instead of failing), and serialises them for engines that take
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -188,14 +189,11 @@ class RolloutActor:
         try:
             self.pause(pause_mode)
             t1 = time.perf_counter()
-            self._receiving = True
-            try:
+            with self._receiving_now():
                 if transport == "ipc":
                     sums, m = self.receiver.receive_stream(sync_id, self.verify)
                 else:
                     sums, m = self.receiver.receive_broadcast(self.verify, sync_id)
-            finally:
-                self._receiving = False
         except BaseException:
             abort = getattr(self.receiver, "abort_stream", None)
             if transport == "ipc" and callable(abort):
@@ -226,9 +224,15 @@ class RolloutActor:
         return self.receiver.receive_ipc(handle, bucket_index, self.verify)
 
     def receive_broadcast(self, version: int, sync_id: int = 0):
+        with self._receiving_now():
+            return self.receiver.receive_broadcast(self.verify, sync_id)
+
+    @contextlib.contextmanager
+    def _receiving_now(self):
+        """health()'s `receiving` while a sync's transfer runs here (a fault benchmark kills inside it)."""
         self._receiving = True
         try:
-            return self.receiver.receive_broadcast(self.verify, sync_id)
+            yield
         finally:
             self._receiving = False
 
