@@ -354,12 +354,15 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
                 restarts.append({"t": time.time(), "error": str(e).splitlines()[0][:500],
                                  "last_step": summary.get("last_step")})
                 faults.extend(summary.get("faults", []))
-                good, _ = find_good(checkpoint_dir(run_dir))
+                if cfg.fault_tolerance.step_snapshots:   # the restart's Checkpoints.find picks between the two
+                    source = "its latest step snapshot or checkpoint"
+                else:   # (find_good hashes the checkpoint's files: only where the message names it)
+                    good, _ = find_good(checkpoint_dir(run_dir))
+                    source = (f"its checkpoint {good}" if good else
+                              "step 1: no checkpoint yet (trainer.checkpoint_every / checkpoint_every_minutes)")
                 logger.error("run failed (%s); restarting it by itself (restart %d of %d, fault_tolerance."
                              "max_run_restarts) from %s", str(e).splitlines()[0], len(restarts),
-                             cfg.fault_tolerance.max_run_restarts, "its latest step snapshot or checkpoint"
-                             if cfg.fault_tolerance.step_snapshots else f"its checkpoint {good}" if good else
-                             "step 1: no checkpoint yet (trainer.checkpoint_every / checkpoint_every_minutes)")
+                             cfg.fault_tolerance.max_run_restarts, source)
                 cfg = cfg.model_copy(update={"resume": True})   # the dataset here was never drawn from: same order
                 stop_ray()
                 continue
