@@ -388,15 +388,11 @@ class FaultToleranceSection(_Section):
         "background", description="background: the run goes on with the engines left while a dedicated engine's "
         "replacement starts (vLLM: ~50 s), which joins at the first sync after; wait: the step waits for it (which "
         "steps each engine serves then does not depend on its start time). Colocated replacements always wait.")
-    step_snapshots: bool = Field(False, description="After every step, a copy of the whole training state (every "
-                                 "trainer rank's DeepSpeed state, the RL state) in a RAM-backed folder, replacing the "
-                                 "previous one: a run restarted after a trainer rank died resumes from the last "
-                                 "completed step, not the last periodic checkpoint. Costs a checkpoint's host memory "
-                                 "and its write time per step (checkpoint/snapshot_gb, checkpoint/snapshot_s); lost "
-                                 "with the machine, where the periodic checkpoints on disk still hold.")
-    snapshot_dir: str | None = Field(None, min_length=1, description="Folder of the step snapshots (default: "
-                                     "/dev/shm/rlhf_orch-<user>/<run name>-<hash of the run folder>; <run>/snapshots "
-                                     "where there is no /dev/shm).")
+    step_snapshots: bool = Field(False, description="Keep a checkpoint of the last step in RAM (newest only): a run "
+        "restarted after a trainer rank died resumes from it, not the last periodic one. Costs its memory and write "
+        "time per step (checkpoint/snapshot_gb, _s); lost with the machine, unlike the checkpoints on disk.")
+    snapshot_dir: str | None = Field(None, min_length=1, description="Their folder (default: /dev/shm/rlhf_orch-"
+                                     "<uid>/<run name>-<hash of the run folder>, else <run>/snapshots).")
 
 
 class MetricsSection(_Section):
