@@ -18,23 +18,29 @@ B3=(model.tiny.hidden_size=3072 model.tiny.intermediate_size=8192 model.tiny.num
     model.tiny.num_attention_heads=24 model.tiny.num_key_value_heads=8 model.tiny.max_position_embeddings=1100
     trainer.bf16=true trainer.warm_start_steps=0 weight_sync.bucket_size_mb=512 metrics.plots=false
     metrics.ray_metrics=false trainer.export_hf=false trainer.checkpoint_every_minutes=0)
+midsync() {   # name, steps, extra flags: GPUs 0-2, dedicated engine v-0 SIGKILLed inside sync v4's receive
+  CUDA_VISIBLE_DEVICES=0,1,2 timeout -k 15 "${FAULT_TIMEOUT:-480}" python3 bench/engine_fault.py \
+    --config configs/vllm_disagg_2gpu.yaml --kill-step 3 --mid-sync receive "${@:3}" --output-dir /tmp/runs \
+    experiment.name="$1" experiment.steps="$2" "${B3[@]}" engines.0.count=2 \
+    engines.0.enforce_eager=false engines.0.sampling.max_new_tokens=256 data.prompts_per_step=32 \
+    data.max_operand=9 trainer.lr=1e-6 trainer.packing=true trainer.max_tokens_per_micro_batch=16384 \
+    trainer.micro_batch_size=16 trainer.gradient_checkpointing=true algorithm.kl_coef=0 \
+    engines.0.kv_cache_memory_gb=20 engines.0.gpu_memory_utilization=0.5 > "$OUT/$1.log" 2>&1
+  echo "== $1 exit $?"; keep "$1" "/tmp/runs/$1"
+}
+report() {   # name: what bench/engine_fault.py printed at its end
+  grep -E "^exit|^mid-sync|^fault|^seconds|^median|^\||steps served|replaced|aborted|let go|Traceback|Error" \
+    "$OUT/$1.log" | cut -c1-300 | tail -45
+}
 case "${1:-}" in
   a)
-    ( CUDA_VISIBLE_DEVICES=0,1,2 timeout -k 15 "${FAULT_TIMEOUT:-480}" python3 bench/engine_fault.py \
-        --config configs/vllm_disagg_2gpu.yaml --kill-step 3 --mid-sync receive --output-dir /tmp/runs \
-        experiment.name=midrecv experiment.steps="${STEPS:-30}" "${B3[@]}" engines.0.count=2 \
-        engines.0.enforce_eager=false engines.0.sampling.max_new_tokens=256 data.prompts_per_step=32 \
-        data.max_operand=9 trainer.lr=1e-6 trainer.packing=true trainer.max_tokens_per_micro_batch=16384 \
-        trainer.micro_batch_size=16 trainer.gradient_checkpointing=true algorithm.kl_coef=0 \
-        engines.0.kv_cache_memory_gb=20 engines.0.gpu_memory_utilization=0.5 > "$OUT/midrecv.log" 2>&1
-      echo "== midrecv exit $?"; keep midrecv /tmp/runs/midrecv ) &
+    midsync midrecv "${STEPS:-30}" &
     ( CUDA_VISIBLE_DEVICES=3 timeout -k 15 "${PAUSE_TIMEOUT:-400}" python3 bench/pause_latency.py --engine vllm \
         --running 0 64 256 512 --max-tokens 2048 --rounds 6 --abort-rounds 2 --out "$OUT/pause.md" \
         > "$OUT/pause.log" 2>&1; echo "== pause exit $?" ) &
     wait
     cat "$OUT/pause.md" 2>/dev/null | grep -E "^\|" || tail -20 "$OUT/pause.log"
-    grep -E "^exit|^mid-sync|^fault|^seconds|^median|^\||steps served|replaced|aborted|let go|Traceback|Error" \
-      "$OUT/midrecv.log" | cut -c1-260 | tail -45 ;;
+    report midrecv ;;
   b)
     ( export PYTHONPATH=/tmp/site-sglang:$PWD:$PWD/tests RLHF_ORCH_LOG_LEVEL=WARNING
       CUDA_VISIBLE_DEVICES=0,1 timeout -k 15 "${TEST_TIMEOUT:-450}" python3 -m pytest -q -m gpu -p no:cacheprovider \
@@ -60,15 +66,7 @@ case "${1:-}" in
     tail -4 "$OUT/gpu_tests.log"
     for mb in 256 128 512; do echo "-- $mb MiB"; grep -E "^\||Error" "$OUT/tp2_$mb.log" | tail -6; done ;;
   fault)   # the fault job of "a" alone, the engine's child processes (vLLM's engine core) killed with it (--tree)
-    CUDA_VISIBLE_DEVICES=0,1,2 timeout -k 15 "${FAULT_TIMEOUT:-480}" python3 bench/engine_fault.py \
-      --config configs/vllm_disagg_2gpu.yaml --kill-step 3 --mid-sync receive --tree --output-dir /tmp/runs \
-      experiment.name=midtree experiment.steps="${STEPS:-20}" "${B3[@]}" engines.0.count=2 \
-      engines.0.enforce_eager=false engines.0.sampling.max_new_tokens=256 data.prompts_per_step=32 \
-      data.max_operand=9 trainer.lr=1e-6 trainer.packing=true trainer.max_tokens_per_micro_batch=16384 \
-      trainer.micro_batch_size=16 trainer.gradient_checkpointing=true algorithm.kl_coef=0 \
-      engines.0.kv_cache_memory_gb=20 engines.0.gpu_memory_utilization=0.5 > "$OUT/midtree.log" 2>&1
-    echo "== midtree exit $?"; keep midtree /tmp/runs/midtree
-    grep -E "^exit|^mid-sync|^fault|^seconds|^median|^\||steps served|replaced|aborted|let go|Traceback|Error" \
-      "$OUT/midtree.log" | cut -c1-300 | tail -40 ;;
+    midsync midtree "${STEPS:-20}" --tree
+    report midtree ;;
   *) echo "usage: $0 a|b|c|fault"; exit 2 ;;
 esac
