@@ -18,6 +18,11 @@ B8=(model.tiny.hidden_size=4096 model.tiny.intermediate_size=14336 model.tiny.nu
     model.tiny.num_attention_heads=32 model.tiny.num_key_value_heads=8 model.tiny.max_position_embeddings=1100
     trainer.bf16=true trainer.warm_start_steps=0 weight_sync.bucket_size_mb=512 metrics.plots=false
     metrics.ray_metrics=false trainer.export_hf=false trainer.checkpoint_every_minutes=0)
+# B3: Llama-3.2-3B's layer shapes (3.2 B parameters with the built-in small vocabulary; 6.4 GB bf16)
+B3=(model.tiny.hidden_size=3072 model.tiny.intermediate_size=8192 model.tiny.num_hidden_layers=28
+    model.tiny.num_attention_heads=24 model.tiny.num_key_value_heads=8 model.tiny.max_position_embeddings=1100
+    trainer.bf16=true trainer.warm_start_steps=0 weight_sync.bucket_size_mb=512 metrics.plots=false
+    metrics.ray_metrics=false trainer.export_hf=false trainer.checkpoint_every_minutes=0)
 keep() {   # name, run dir: its metrics, summary and timeline in one tar
   tar czf "$OUT/$1.tgz" -C "$2" $(cd "$2" && ls metrics.jsonl summary.json timeline.jsonl 2>/dev/null) 2>/dev/null
 }

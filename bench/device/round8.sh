@@ -13,11 +13,6 @@
 set -uo pipefail
 RLHF_ORCH_LOG_LEVEL=INFO; . bench/device/env.sh
 git log -1 --format='code: %h %s' 2>/dev/null; git status --short 2>/dev/null | head -5
-# Llama-3.2-3B's layer shapes (3.2 B parameters with the built-in small vocabulary; 6.4 GB bf16)
-B3=(model.tiny.hidden_size=3072 model.tiny.intermediate_size=8192 model.tiny.num_hidden_layers=28
-    model.tiny.num_attention_heads=24 model.tiny.num_key_value_heads=8 model.tiny.max_position_embeddings=1100
-    trainer.bf16=true trainer.warm_start_steps=0 weight_sync.bucket_size_mb=512 metrics.plots=false
-    metrics.ray_metrics=false trainer.export_hf=false trainer.checkpoint_every_minutes=0)
 midsync() {   # name, steps, extra flags: GPUs 0-2, dedicated engine v-0 SIGKILLed inside sync v4's receive
   CUDA_VISIBLE_DEVICES=0,1,2 timeout -k 15 "${FAULT_TIMEOUT:-480}" python3 bench/engine_fault.py \
     --config configs/vllm_disagg_2gpu.yaml --kill-step 3 --mid-sync receive "${@:3}" --output-dir /tmp/runs \
