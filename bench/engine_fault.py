@@ -90,7 +90,7 @@ def main() -> int:
     summary = json.loads((run / "summary.json").read_text())
     recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     print(f"\nexit {rc}; status {summary.get('status')}; steps {len(recs)}; killed {engine} (pid {info.get('pid')}) "
-          f"after step {info.get('after_step')}" + (f" with its child processes {info['children']}" if args.tree else ""))
+          f"after step {info.get('after_step')}" + (f" with its child processes {info.get('children')}" if args.tree else ""))
     for f in summary.get("faults", []):
         if "survivors_let_go_s" in f:
             print(f"mid-sync: {f.get('failed_first')} failed first; the other members let go within "

@@ -31,6 +31,7 @@ from rlhf_orch.engines.base import Capabilities, streams_over
 from rlhf_orch.engines.vllm_worker import pack_arg
 from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync import WeightReceiver, checksums
+from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.collective import GROUP_NAME, BroadcastGroup
 from rlhf_orch.weight_sync.ipc import open_handle
 from rlhf_orch.weight_sync.replay import LoadReplay
@@ -70,20 +71,22 @@ class RawEngine:
             return ["gpu-" + str(torch.cuda.get_device_properties(self.device).uuid)]
         return [self.slot]
 
-    def setup_receiver(self, layouts, group, rank_offset, verify, timeout_s) -> float:
+    def setup_receiver(self, layouts, group, rank_offset, verify, timeout_s, replay: bool = True,
+                       abort_flag: str | None = None) -> float:
         if self.receiver is not None:
             self.receiver.close()
         p = self.params
         self.receiver = WeightReceiver(layouts, self.device,
                                        lambda named: torch._foreach_copy_([p[n] for n, _ in named], [t for _, t in named]),
                                        lambda names: checksums(p[n] for n in names), LoadReplay(lambda: p))
+        self.receiver.abort_flag = AbortFlag.attach(abort_flag) if abort_flag else None
         if group is None:
             return 0.0
         return self.receiver.join_group(group["backend"], group["host"], group["port"], rank_offset, group["world_size"],
                                         timeout_s, expect_sums=bool(group.get("sums")))
 
-    def receive_broadcast(self, verify: bool = True):
-        return self.receiver.receive_broadcast(verify)
+    def receive_broadcast(self, verify: bool = True, sync_id: int = 0):
+        return self.receiver.receive_broadcast(verify, sync_id)
 
     def receive_ipc(self, handle, bucket_index: int, verify: bool = True):
         return self.receiver.receive_ipc(handle, bucket_index, verify)
@@ -166,8 +169,14 @@ class HostState:
         return time.perf_counter() - t0, self.engine.device_ids(), version, streams
 
     def setup(self, layouts, group, rank, verify):
+        """As RolloutActor.setup_receiver: with an abort flag (nothing here aborts), so that numbered syncs wait as a
+        run's do: polled."""
         self.verify = verify
-        return self.engine.setup_receiver(layouts, group, rank, verify, TIMEOUT_S)
+        flag = AbortFlag.create()
+        try:
+            return self.engine.setup_receiver(layouts, group, rank, verify, TIMEOUT_S, abort_flag=flag.handle())
+        finally:
+            flag.unlink()   # the receiving process has mapped it
 
     def own_group(self, group, rank):
         """SGLang: join a second group through its own API, for its own calls (one_call, naive), where our receiver in
@@ -186,7 +195,7 @@ class HostState:
             if transport == "ipc":
                 sums, m = self.engine.receive_stream(sync_id, self.verify)
             else:
-                sums, m = self.engine.receive_broadcast(self.verify)
+                sums, m = self.engine.receive_broadcast(self.verify, sync_id)
         except BaseException:
             if transport == "ipc":
                 self.engine.abort_stream()

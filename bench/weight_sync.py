@@ -53,6 +53,7 @@ from bench.shapes import MODELS, SHAPES, model_dir  # noqa: E402
 from bench.sync_bench_lib import HOST, SAFE_ENV, TIMEOUT_S, Pool, parse_receivers, write_reports  # noqa: E402
 from rlhf_orch.types import dtype_from_name  # noqa: E402
 from rlhf_orch.weight_sync import WeightSender, digest, make_plan, plan_buckets  # noqa: E402
+from rlhf_orch.weight_sync.abort import AbortFlag  # noqa: E402
 from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port  # noqa: E402
 from rlhf_orch.weight_sync.ipc import allocate_shared, export_handle  # noqa: E402
 from rlhf_orch.weight_sync.verify import mismatches  # noqa: E402
@@ -85,6 +86,8 @@ class Case:
     def __init__(self, tr: Trainer, placement: str, spec: str, args, pool: Pool):
         self.tr, self.placement, self.spec, self.args = tr, placement, spec, args
         self.coloc, self.verify, self.sync_id, self.last = placement == "colocated", not args.no_verify, 0, None
+        self.abort_flag = AbortFlag.create()   # as the trainer actor's: numbered syncs wait polled, as in a run
+        self.abort_flag.unlink()
         self.group, self.own_group, self.fgroups, self.sender = None, None, {}, None
         tps = parse_receivers(spec)
         self.gpus, nxt = [], 1
@@ -149,7 +152,8 @@ class Case:
             self.group.warmup()
         for h in hosts.values():
             h.get()
-        self.sender = WeightSender(tr.layouts, tr.dev, ipc, self.group, self.verify, bcast_sums=bcast_sums, timeout_s=TIMEOUT_S)
+        self.sender = WeightSender(tr.layouts, tr.dev, ipc, self.group, self.verify, bcast_sums=bcast_sums, timeout_s=TIMEOUT_S,
+                                   abort_flag=self.abort_flag)
         a = self.args
         if a.engine == "sglang" and group is not None and bcast_sums and (a.naive or not a.no_one_call):
             # Our receiver in SGLang's scheduler holds our group; SGLang's own calls need a group SGLang joined itself.

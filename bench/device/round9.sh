@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On nvidia-h100-x2 / nvidia-h200-x2 (issues #33, #27, #32; eighth session). One command per argument, each under the
 # 600 s limit; vLLM + DeepSpeed staged into /tmp/site (SGLang into /tmp/site-sglang for `sgtest`):
-#   bash bench/device/round9.sh mixed   # GPUs 0,1: configs/vllm_mixed_2gpu.yaml at the Llama-3.2-3B shape; the
+#   bash bench/device/round9.sh mixed   # GPUs 0,1: configs/vllm_mixed_2gpu.yaml, 3B layers x 16 (1.9 B, 3.7 GB); the
 #                                       # colocated engine (and its engine core, --tree) SIGKILLed inside a sync's
 #                                       # receive, so the dedicated engine is left inside an NCCL broadcast (#33)
 #   bash bench/device/round9.sh pause   # GPU 0: bench/pause_latency.py, 0-512 running requests (#27 item 1, with the
@@ -16,7 +16,7 @@ case "${1:-}" in
   mixed)
     CUDA_VISIBLE_DEVICES=0,1 timeout -k 15 "${FAULT_TIMEOUT:-540}" python3 bench/engine_fault.py \
       --config configs/vllm_mixed_2gpu.yaml --engine c --kill-step 3 --mid-sync receive --tree --output-dir /tmp/runs \
-      experiment.name=mixed experiment.steps="${STEPS:-14}" "${B3[@]}" weight_sync.bucket_size_mb=128 \
+      experiment.name=mixed experiment.steps="${STEPS:-14}" "${B3[@]}" model.tiny.num_hidden_layers=16 weight_sync.bucket_size_mb=64 \
       engines.0.kv_cache_memory_gb=8 engines.1.kv_cache_memory_gb=20 engines.1.gpu_memory_utilization=0.5 \
       engines.0.sampling.max_new_tokens=256 engines.1.sampling.max_new_tokens=256 data.prompts_per_step=32 \
       data.max_operand=9 trainer.lr=1e-6 trainer.packing=true trainer.max_tokens_per_micro_batch=16384 \

@@ -87,10 +87,13 @@ class BroadcastGroup:
         return None
 
     def wait(self, work, check: Callable[[], None] | None = None) -> None:
-        """Wait for an async collective. With `check` (raises to end the wait), gloo work is polled, so an aborted sync
-        ends within a millisecond even where the peer never sends; NCCL's `wait()` only orders the stream (the host
-        waits in `synchronize`)."""
-        if check is not None and self.backend == "gloo":
+        """Wait for an async collective. With `check` (raises to end the wait), the work is polled (gloo: its
+        completion; NCCL: its end event on the GPU), so an aborted sync ends within a millisecond even where the peer
+        never sends. Without `check`, NCCL's `wait()` only orders the current stream after the collective.
+        Why NCCL is polled too: a receiver's next host read (a bucket's checksums) would otherwise block in CUDA on a
+        broadcast that never comes, deaf to the abort, until the group's watchdog takes the whole process down
+        (a vLLM engine core, on 2x H100, 2026-11-28: bench/RESULTS.md)."""
+        if check is not None:
             spins = 0
             while not work.is_completed():
                 check()

@@ -148,8 +148,11 @@ class WeightReceiver:
         try:
             work = post(0) if self.layouts else None
             for k, layout in enumerate(self.layouts):
-                group.wait(work, check)
+                # The next bucket is posted before this one is waited for, so the wire never waits for this host.
+                # Its buffer was last read by bucket k - 1's load, queued before this post: the collective's stream
+                # waits for the current stream when it is posted.
                 nxt = post(k + 1) if k + 1 < len(self.layouts) else None
+                group.wait(work, check)
                 t1 = time.perf_counter()
                 sums.extend(self._load(layout, self._bufs[k % 2], verify))
                 load_s += time.perf_counter() - t1

@@ -190,3 +190,36 @@ def test_a_sender_aborted_while_waiting_for_an_engine_raises_sync_aborted():
         assert time.monotonic() - t0 < 5
     finally:
         box.unlink()
+
+
+class _PendingWork:
+    """A collective that never completes (an NCCL broadcast whose sender stopped): the seam beside the real gloo
+    tests above and the GPU run (bench/device/round9.sh mixed), where the same wait is an NCCL work's end event."""
+    def __init__(self):
+        self.polls = self.waits = 0
+
+    def is_completed(self):
+        self.polls += 1
+        return False
+
+    def wait(self):
+        self.waits += 1
+
+
+def test_an_nccl_wait_with_a_check_is_polled_so_an_abort_ends_it():
+    """NCCL's work.wait() returns at once (it only orders the stream), so before this the receiver's next host read
+    blocked in CUDA, deaf to the abort, until NCCL's watchdog killed the vLLM engine core (2x H100, 2026-11-28)."""
+    group = object.__new__(BroadcastGroup)
+    group.backend = "nccl"
+    flag = AbortFlag.create()
+    try:
+        work = _PendingWork()
+        threading.Timer(0.2, flag.abort, args=(9,)).start()
+        t0 = time.monotonic()
+        with pytest.raises(SyncAborted, match="sync 9 aborted"):
+            group.wait(work, flag.checker(9, "engine"))
+        assert 0.15 < time.monotonic() - t0 < 5 and work.polls > 1 and work.waits == 0
+        group.wait(work)   # no check: the stream-ordering wait only, as before
+        assert work.waits == 1
+    finally:
+        flag.unlink()
