@@ -4,6 +4,9 @@
 #   bash bench/device/round9.sh mixed   # GPUs 0,1: configs/vllm_mixed_2gpu.yaml, 3B layers x 16 (1.9 B, 3.7 GB); the
 #                                       # colocated engine (and its engine core, --tree) SIGKILLed inside a sync's
 #                                       # receive, so the dedicated engine is left inside an NCCL broadcast (#33)
+#                                       # (16 of 3B's 28 layers: the whole 3B ran out of memory at the colocated
+#                                       # wake-up on an 80 GB H100, trainer and engine on GPU 0)
+#   bash bench/device/round9.sh check   # GPUs 0,1: the NCCL sync GPU tests and a 1B disaggregated vLLM sync benchmark
 #   bash bench/device/round9.sh pause   # GPU 0: bench/pause_latency.py, 0-512 running requests (#27 item 1, with the
 #                                       # texts decoded by decode_batch since 6d0dfe3)
 #   bash bench/device/round9.sh async   # GPUs 0,1: bench/async_rl.py disaggregated, sync / k1 / k1p (#27, #32 item 5)
@@ -16,7 +19,7 @@ case "${1:-}" in
   mixed)
     CUDA_VISIBLE_DEVICES=0,1 timeout -k 15 "${FAULT_TIMEOUT:-540}" python3 bench/engine_fault.py \
       --config configs/vllm_mixed_2gpu.yaml --engine c --kill-step 3 --mid-sync receive --tree --output-dir /tmp/runs \
-      experiment.name=mixed experiment.steps="${STEPS:-14}" "${B3[@]}" model.tiny.num_hidden_layers=16 weight_sync.bucket_size_mb=64 \
+      experiment.name=mixed experiment.steps="${STEPS:-12}" "${B3[@]}" model.tiny.num_hidden_layers=16 weight_sync.bucket_size_mb=64 \
       engines.0.kv_cache_memory_gb=8 engines.1.kv_cache_memory_gb=20 engines.1.gpu_memory_utilization=0.5 \
       engines.0.sampling.max_new_tokens=256 engines.1.sampling.max_new_tokens=256 data.prompts_per_step=32 \
       data.max_operand=9 trainer.lr=1e-6 trainer.packing=true trainer.max_tokens_per_micro_batch=16384 \
@@ -24,6 +27,13 @@ case "${1:-}" in
     echo "== mixed exit $?"; keep mixed /tmp/runs/mixed
     grep -E "^exit|^mid-sync|^fault|^seconds|^median|^\||steps served|replaced|aborted|abort|let go|Traceback|Error" \
       "$OUT/mixed.log" | cut -c1-300 | tail -60 ;;
+  check)   # GPUs 0,1: the NCCL sync path after f7e3d14 (polled waits, next bucket posted first): its GPU tests, then
+           # one vLLM engine's disaggregated 1B sync against the raw-broadcast floor (10 interleaved rounds)
+    timeout -k 15 "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_weight_sync_gpu.py \
+      tests/gpu/test_copysum_gpu.py > "$OUT/gpu_tests.log" 2>&1; echo "== gpu tests exit $?"; tail -3 "$OUT/gpu_tests.log"
+    timeout -k 15 "${BENCH_TIMEOUT:-300}" python3 bench/weight_sync.py --engine vllm --models llama-3.2-1b \
+      --placements disaggregated --receivers 1 --repeats 10 --json "$OUT/sync_1b.json" > "$OUT/sync_1b.log" 2>&1
+    echo "== sync bench exit $?"; grep -E "^\||Error" "$OUT/sync_1b.log" | tail -8 ;;
   pause)
     CUDA_VISIBLE_DEVICES=0 timeout -k 15 "${PAUSE_TIMEOUT:-560}" python3 bench/pause_latency.py --engine vllm \
       --running 0 64 256 512 --max-tokens 2048 --rounds 6 --abort-rounds 2 --out "$OUT/pause.md" > "$OUT/pause.log" 2>&1
