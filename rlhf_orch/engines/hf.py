@@ -22,12 +22,12 @@ It does not do continuous batching, paged KV caches or tensor parallelism: use v
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import time
 from typing import Sequence
 
 import torch
-import transformers
 
 from rlhf_orch.engines.base import TRANSPORTS, Capabilities, EngineLifecycle, per_prompt_params
 from rlhf_orch.errors import EngineError
@@ -35,9 +35,15 @@ from rlhf_orch.types import Sample, dtype_from_name
 from rlhf_orch.weight_sync.buckets import checksums
 
 logger = logging.getLogger(__name__)
-# transformers 5.x names the KV cache `cache` (`past_key_values` warns at every decode step, and goes in 5.40); 4.x
-# knows only `past_key_values`. The name changes nothing else.
-_CACHE_ARG = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
+
+
+def cache_arg(model) -> str:
+    """The name the model's forward takes its KV cache under: `cache` in newer transformers 5.x (where
+    `past_key_values` warns at every decode step, and goes in 5.40), `past_key_values` before (4.x, and 5.x releases
+    as late as 5.17). Read from the forward's signature, not the version: a name the forward does not know would
+    vanish into its **kwargs and every decode step would run without its context (what happened on the GPU machine's
+    transformers 5.17: logprobs off by up to ~1, checksums all equal; bench/RESULTS.md, 2026-11-28)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _cache_of(out):
@@ -71,6 +77,7 @@ class HFEngine(EngineLifecycle):
         except Exception as e:
             raise EngineError(f"engine {name}: cannot load model from {model_path!r}: {type(e).__name__}: {e}") from e
         self.model.eval()
+        self._cache_arg = cache_arg(self.model)
         self.params = dict(self.model.named_parameters())
         self._shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self.eos_id = self.tokenizer.eos_token_id
@@ -142,7 +149,7 @@ class HFEngine(EngineLifecycle):
                 time.sleep(self.decode_delay_s)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                             use_cache=True, **{_CACHE_ARG: past})
+                             use_cache=True, **{self._cache_arg: past})
             past, logits, next_pos = _cache_of(out), out.logits[:, -1].float(), next_pos + 1
         toks = torch.stack(tokens, 1).tolist() if tokens else [[] for _ in items]
         lps = torch.stack(logps, 1).tolist() if logps else [[] for _ in items]

@@ -75,3 +75,39 @@ def test_hf_engine_per_prompt_lengths(tiny_model_dir):
     assert [s.prompt_index for s in out] == [0, 0, 1, 1]
     with pytest.raises(EngineError, match="max_new_tokens and ignore_eos only"):
         engine.generate([p, p], [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5)])
+
+
+@pytest.mark.parametrize("api", ["installed", "past_key_values"])
+def test_hf_engine_logprobs_equal_one_plain_forward(tiny_model_dir, api):
+    """Each sampled token's logprob equals the one a single forward of prompt + response gives (what the trainer
+    computes), with the installed transformers' forward and with one that takes the KV cache as `past_key_values`
+    only, as transformers 5.17 does on the GPU machine: there the engine passed `cache`, the forward swallowed it
+    into **kwargs, and every decode step ran without its context (logprobs off by up to ~1, 2026-11-28)."""
+    from rlhf_orch.engines.base import SamplingParams
+    from rlhf_orch.engines.hf import cache_arg
+    torch.manual_seed(0)
+    engine = engine_class("hf")(name="e", model_path=tiny_model_dir, seed=3)
+    if api == "past_key_values":
+        real = engine.model.forward
+        new_name = cache_arg(engine.model) == "cache"
+
+        def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None,
+                    **kwargs):   # like 5.17: a keyword it does not know is dropped
+            extra = {"cache" if new_name else "past_key_values": past_key_values} if past_key_values is not None else {}
+            return real(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=use_cache, **extra)
+
+        engine.model.forward = forward
+        engine._cache_arg = cache_arg(engine.model)
+        assert engine._cache_arg == "past_key_values"
+    tok = build_tokenizer()
+    prompts = [tok(t, add_special_tokens=False).input_ids for t in ("1+2=", "3+4+1=", "9=")]   # left padding
+    samples = engine.generate(prompts, SamplingParams(max_new_tokens=6, n=4, ignore_eos=True))
+    worst = 0.0
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            lp = torch.log_softmax(engine.model(input_ids=ids).logits[0].float(), -1)
+            want = [float(lp[len(s.prompt_ids) - 1 + i, t]) for i, t in enumerate(s.response_ids)]
+            worst = max(worst, max(abs(a - b) for a, b in zip(s.logprobs, want)))
+    assert len(samples) == 12 and worst < 1e-4, worst
