@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
 
 
-def test_packed_token_budget_run_matches_the_padded_baseline(tmp_path):
+def test_packed_token_budget_run_matches_the_padded_baseline(tmp_path, shared_ray):
     """One run (CI time): its first 3 steps against the padded synchronous loop's recorded baseline."""
     base = baseline("tiny_cpu_20steps")["steps"]
     # 64 tokens: above the longest allowed sequence (32 prompt + 4 new), well below a rank's ~800 tokens.
