@@ -1,4 +1,5 @@
-"""Helpers shared by the actor shells: process setup, and waiting on actors with readable failures.
+"""Helpers shared by the actor shells: process setup, waiting on actors with readable failures, and killing an
+actor's child processes.
 
 Every blocking wait goes through `get()`, which has a timeout and turns Ray's errors into the
 project's: a timeout names what was awaited; a dead actor surfaces its own exception and the tail of
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -38,6 +40,34 @@ def setup_process(device: str = "cpu") -> None:
         import torch
         # Several actors share few cores; one thread each avoids oversubscription stalls.
         torch.set_num_threads(int(os.environ.get("RLHF_ORCH_THREADS", "1")))
+
+
+def kill_descendants(pid: int | None = None) -> list[int]:
+    """SIGKILL every process below `pid` (default: this one), deepest first; returns their pids. Read from Linux's
+    /proc (the parent field of each process's stat), so it needs no psutil; elsewhere it kills nothing. Why: vLLM's
+    engine core (and SGLang's scheduler) is a child of its rollout actor and holds the GPU and the weight-sync group;
+    killing the actor alone leaves it running (bench/RESULTS.md, seventh session)."""
+    root = os.getpid() if pid is None else pid
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    parent[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])   # the name may hold spaces
+            except (OSError, IndexError, ValueError):
+                continue
+    order, todo = [], [root]
+    while todo:
+        here = todo.pop()
+        kids = [p for p, pp in parent.items() if pp == here]
+        order += kids
+        todo += kids
+    for p in reversed(order):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return order
 
 
 def actor_env(device: str) -> dict[str, str]:

@@ -17,7 +17,7 @@ import time
 
 import ray
 
-from actors.common import setup_process
+from actors.common import kill_descendants, setup_process
 from rlhf_orch.config.schema import EngineConfig
 from rlhf_orch.engines import SamplingParams, engine_class, engine_options
 from rlhf_orch.engines.base import streams_over
@@ -284,6 +284,12 @@ class RolloutActor:
     def device_memory(self) -> dict[str, float]:
         """{device id: used GiB} of this engine's GPUs (whole devices, via NVML; {} on CPU)."""
         return devices_used_gb(self.engine.device_ids())
+
+    def kill_children(self) -> list[int]:
+        """SIGKILL the engine's own processes (vLLM's engine core, SGLang's scheduler), answered on another thread
+        while a call hangs: the driver's last word to a hung engine before it kills this actor, so that nothing of
+        it keeps the GPU or sits in a dead weight-sync group (actors/common.kill_descendants)."""
+        return kill_descendants()
 
     def shutdown(self) -> None:
         """Leave the weight-sync group, then stop the engine's own processes (vLLM/SGLang workers)."""

@@ -355,13 +355,17 @@ class RolloutManager:
         actor = self.engines.pop(name, None)
         if actor is None:
             return
+        now = time.time()
         lost = self.sched.engine_failed(name) if self.sched is not None else []
         self.health.forget(name)
+        try:   # a hung engine's own processes first (vLLM's engine core): killing the actor alone leaves them
+            await asyncio.wait_for(actor.kill_children.remote(), timeout=1.0)   # answered in ms by a live actor
+        except Exception:   # dead already or frozen (its children are beyond reach then)
+            pass
         try:
             ray.kill(actor, no_restart=True)   # a hung process must not keep its devices
         except Exception:
             pass
-        now = time.time()
         rec = {"engine": name, "t": now, "phase": phase, "cause": cause, "groups_requeued": len(lost)}
         self.dead[name] = rec
         self.timeline.add(f"engine:{name}", "dead", now, now, cause=cause[:120])

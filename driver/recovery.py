@@ -33,6 +33,19 @@ from rlhf_orch.rollout.scheduler import whole_run_ledger
 logger = logging.getLogger(__name__)
 
 
+def hung_after_abort(abort: dict | None, engines) -> dict[str, str]:
+    """{engine: cause} for the live engines still inside an aborted sync when the coordinator's grace ran out (its
+    record's `still_waiting`): they answer health checks, but their receive cannot be interrupted (SGLang's own
+    tensor-parallel broadcast receive reads no abort flag; before f7e3d14 a vLLM worker's NCCL receive did not
+    either), and the re-plan's calls on them would wait for that receive, which only the group's timeout ends (NCCL's
+    watchdog then takes the engine's process down anyway). So they are replaced like a hung engine. Trainer ranks still
+    in it are not engines: the run restarts for those."""
+    if not abort:
+        return {}
+    return {n: f"hung: still inside the aborted weight sync v{abort['version']} after the abort's grace (its receive "
+               f"could not be interrupted)" for n in abort.get("still_waiting", []) if n in engines}
+
+
 class EngineRecovery:
     """Needs from the Cluster: cfg, env, trainers, engines, starting, rewarders, slots, sampling, colocation,
     coordinator, rollouts, timeout, sync_timeout, plan, timeline, faults, unadmitted, ready, engine_restarts,
@@ -45,6 +58,8 @@ class EngineRecovery:
         The probe, not the error's text, decides: a sync with a dead peer fails with a transport error."""
         dead = self._probe_engines(phase)
         abort = getattr(err, "abort", None)   # a sync ended by one member's failure (the coordinator's record)
+        for name, cause in hung_after_abort(abort, self.engines).items():
+            dead.setdefault(name, cause)
         mid_sync = {} if not abort else {
             "phase": "mid-sync", "sync_version": abort["version"], "t_failure_seen": abort["t_failure_seen"],
             "failed_first": abort["culprit"], "survivors": abort["survivors"], "survivors_let_go_s": abort["abort_s"]}
