@@ -44,8 +44,7 @@ class TrainerActor:
         self._kept_stage: tuple[list, int | None] = ([], None)   # a closed sender's staged weights (weight_sync.overlap)
         self.engines = {}
         self.timeout_s = 300.0
-        self.abort_flag = AbortFlag.create()   # the coordinator's abort_sync ends this rank's side of a sync at once
-        self.abort_flag.unlink()               # only this process maps it
+        self.abort_flag = AbortFlag.private()   # the coordinator's abort_sync ends this rank's side of a sync at once
 
     def node_address(self) -> tuple[str, int]:
         ip = ray.util.get_node_ip_address()

@@ -21,12 +21,12 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import ray
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
+from actors.common import kill_descendants  # noqa: E402
 from rlhf_orch.config import engine_names, load_config  # noqa: E402
 
 
@@ -55,13 +55,12 @@ def killer(run_dir: Path, suffix: str, step: int, out: dict, mid_sync: str = "",
                     break
                 continue
             time.sleep(0.05)
-        kids = [c.pid for c in psutil.Process(pid).children(recursive=True)] if tree else []
-        out.update(pid=pid, children=kids, t=time.time(), after_step=len(metrics.read_text().splitlines()))
-        for p in [*kids, pid]:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        out.update(pid=pid, t=time.time(), after_step=len(metrics.read_text().splitlines()))
+        out["children"] = kill_descendants(pid) if tree else []   # deepest first, then the actor
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     t = threading.Thread(target=go, daemon=True)
     t.start()

@@ -86,8 +86,6 @@ class Case:
     def __init__(self, tr: Trainer, placement: str, spec: str, args, pool: Pool):
         self.tr, self.placement, self.spec, self.args = tr, placement, spec, args
         self.coloc, self.verify, self.sync_id, self.last = placement == "colocated", not args.no_verify, 0, None
-        self.abort_flag = AbortFlag.create()   # as the trainer actor's: numbered syncs wait polled, as in a run
-        self.abort_flag.unlink()
         self.group, self.own_group, self.fgroups, self.sender = None, None, {}, None
         tps = parse_receivers(spec)
         self.gpus, nxt = [], 1
@@ -152,8 +150,8 @@ class Case:
             self.group.warmup()
         for h in hosts.values():
             h.get()
-        self.sender = WeightSender(tr.layouts, tr.dev, ipc, self.group, self.verify, bcast_sums=bcast_sums, timeout_s=TIMEOUT_S,
-                                   abort_flag=self.abort_flag)
+        self.sender = WeightSender(tr.layouts, tr.dev, ipc, self.group, self.verify, bcast_sums=bcast_sums,
+                                   timeout_s=TIMEOUT_S, abort_flag=AbortFlag.private())   # polled, as a run's
         a = self.args
         if a.engine == "sglang" and group is not None and bcast_sums and (a.naive or not a.no_one_call):
             # Our receiver in SGLang's scheduler holds our group; SGLang's own calls need a group SGLang joined itself.

@@ -41,6 +41,13 @@ class AbortFlag:
         return cls(path, np.memmap(path, dtype=np.int64, mode="w+", shape=(1,)), owner=True)
 
     @classmethod
+    def private(cls) -> "AbortFlag":
+        """A flag only this process maps (a trainer rank's: its sender runs here): its file is removed at once."""
+        flag = cls.create()
+        flag.unlink()
+        return flag
+
+    @classmethod
     def attach(cls, handle: str) -> "AbortFlag":
         """Another process's view of the flag (a vLLM worker's receiver); map it before the owner unlinks it."""
         return cls(handle, np.memmap(handle, dtype=np.int64, mode="r+", shape=(1,)), owner=False)
