@@ -94,12 +94,11 @@ class BroadcastGroup:
         broadcast that never comes, deaf to the abort, until the group's watchdog takes the whole process down
         (a vLLM engine core, on 2x H100, 2026-11-28: bench/RESULTS.md)."""
         if check is not None:
-            # Spin (yielding the GIL) for the first 20 ms, the length of a bucket's transfer, so a wait adds
-            # microseconds, not a sleep's 0.2 ms per bucket; then sleep between polls.
-            t0 = time.perf_counter()
+            spins = 0   # yield the GIL for the first 100 polls, then sleep 0.2 ms between polls
             while not work.is_completed():
                 check()
-                time.sleep(0 if time.perf_counter() - t0 < 0.02 else 2e-4)
+                spins += 1
+                time.sleep(0 if spins < 100 else 2e-4)
         work.wait()   # raises the work's own error (a peer that went away)
 
     def synchronize(self, check: Callable[[], None] | None = None) -> None:
