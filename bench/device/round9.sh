@@ -27,10 +27,11 @@ case "${1:-}" in
     echo "== mixed exit $?"; keep mixed /tmp/runs/mixed
     grep -E "^exit|^mid-sync|^fault|^seconds|^median|^\||steps served|replaced|aborted|abort|let go|Traceback|Error" \
       "$OUT/mixed.log" | cut -c1-300 | tail -60 ;;
-  check)   # GPUs 0,1: the NCCL sync path after f7e3d14 (polled waits, next bucket posted first): its GPU tests, then
+  check)   # GPUs 0,1: the NCCL sync path after f7e3d14 (polled waits, next bucket posted first): its GPU tests and the
+           # streaming vLLM engine's (its batch sizes, the pause), then
            # one vLLM engine's disaggregated 1B sync against the raw-broadcast floor (10 interleaved rounds)
-    timeout -k 15 "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_weight_sync_gpu.py \
-      tests/gpu/test_copysum_gpu.py > "$OUT/gpu_tests.log" 2>&1; echo "== gpu tests exit $?"; tail -3 "$OUT/gpu_tests.log"
+    timeout -k 15 "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_weight_sync_gpu.py \
+      tests/gpu/test_copysum_gpu.py tests/gpu/test_vllm_streaming.py > "$OUT/gpu_tests.log" 2>&1; echo "== gpu tests exit $?"; tail -3 "$OUT/gpu_tests.log"
     timeout -k 15 "${BENCH_TIMEOUT:-300}" python3 bench/weight_sync.py --engine vllm --models llama-3.2-1b \
       --placements disaggregated --receivers 1 --repeats 10 --json "$OUT/sync_1b.json" > "$OUT/sync_1b.log" 2>&1
     echo "== sync bench exit $?"; grep -E "^\||Error" "$OUT/sync_1b.log" | tail -8 ;;

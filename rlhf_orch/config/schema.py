@@ -323,6 +323,8 @@ class VLLMEngineConfig(_EngineBase):
                                              "gpu_memory_utilization for the cache; keeps prefix-cache resets cheap on small models).")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response vLLM schedules (default: the model's).")
     load_format: str = Field("auto", description="How vLLM reads the weights at start; dummy: random (benchmarks).")
+    max_num_seqs: int | None = Field(None, ge=1, description="Most sequences vLLM decodes at once (default: vLLM's "
+                                     "offline default for the GPU, 1024 on 70 GB+ cards other than A100, else 256).")
     streaming: bool = Field(False, description="Run vLLM's AsyncLLM: many generate calls in flight at once, and pauses "
                             "that keep or abort running requests (needed for rollout.partial_rollouts).")
 

@@ -51,7 +51,7 @@ class VLLMEngine(EngineLifecycle):
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,
                  enable_sleep_mode: bool = True, enforce_eager: bool = False, tensor_parallel_size: int = 1,
                  max_model_len: int | None = None, load_format: str = "auto", kv_cache_memory_gb: float | None = None,
-                 streaming: bool = False, **_ignored: Any):
+                 max_num_seqs: int | None = None, streaming: bool = False, **_ignored: Any):
         if _ignored:
             logger.debug("engine %s: ignoring options %s", name, sorted(_ignored))
         self.name = name
@@ -67,6 +67,8 @@ class VLLMEngine(EngineLifecycle):
             # block count that reset_prefix_cache walks in Python, block_pool.py:784: ~140 ms for a tiny model
             # given half an H200; only the streaming engine still resets per sync, see finish_sync.)
             extra["kv_cache_memory_bytes"] = int(kv_cache_memory_gb * 2**30)
+        if max_num_seqs:
+            extra["max_num_seqs"] = max_num_seqs
         if tensor_parallel_size > 1:
             # Inside a Ray actor in a placement group vLLM would pick its Ray executor (config/parallel.py:915)
             # and place workers itself; the actor already holds its TP GPUs, so workers are its subprocesses.

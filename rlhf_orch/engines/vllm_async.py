@@ -111,11 +111,16 @@ class AsyncVLLMRunner:
     async def _start(self, model: str, kw: dict):
         try:
             from vllm import AsyncEngineArgs
+            from vllm.usage.usage_lib import UsageContext
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as e:
             raise EngineError(f"vLLM is not installed (pip install 'rlhf_orch[vllm]'): {e}") from e
         # Built on the loop thread so AsyncLLM starts its output handler on this loop (async_llm.py:169-175).
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **kw))
+        # LLM_CLASS: the batch sizes `LLM` gets. AsyncLLM's default context (ENGINE_CONTEXT) has no entry in
+        # get_batch_defaults (arg_utils.py:2438-2512), so it fell back to SchedulerConfig's testing defaults,
+        # max_num_seqs 128 and max_num_batched_tokens 2048 (config/scheduler.py:42-44), where LLM gets 1024 / 16384
+        # on an H100/H200: a step's 512 samples ran in four waves on the streaming engine and in one on the other.
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **kw), usage_context=UsageContext.LLM_CLASS)
 
     async def _drain(self) -> None:
         """Wait until outputs already received from EngineCore have reached our generate() streams. A pause's

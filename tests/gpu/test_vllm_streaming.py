@@ -40,6 +40,16 @@ def test_streaming_vllm_contract(engine, dirs):
     run_contract(engine, dirs[0], dirs[1], build_tokenizer(), atol=0.05, dtype=torch.bfloat16)
 
 
+def test_streaming_vllm_batches_as_wide_as_llm(engine):
+    """The streaming engine's scheduler takes as many sequences as `LLM` would on this GPU, not the 128 of vLLM's
+    testing defaults (AsyncLLM's own usage context)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    _, llm_seqs = EngineArgs.get_batch_defaults(1)
+    sched = engine.llm._llm.vllm_config.scheduler_config
+    assert sched.max_num_seqs == llm_seqs[UsageContext.LLM_CLASS] and sched.max_num_seqs >= 256
+
+
 def test_streaming_vllm_concurrent_calls(engine):
     """Generate calls from several threads run at once (continuous batching across them)."""
     p = build_tokenizer()("1+1=", add_special_tokens=False).input_ids

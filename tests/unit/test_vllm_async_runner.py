@@ -9,6 +9,7 @@ in-flight step reaches the stream only after pause_generation returned, announce
 """
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 import types
@@ -255,3 +256,28 @@ def test_utility_calls_forward(make_runner):
     assert not runner.is_paused()
     with pytest.raises(EngineError, match="pause mode"):
         runner.pause("later")
+
+
+def test_asyncllm_gets_the_batch_sizes_llm_gets(monkeypatch, fake_vllm):
+    """AsyncLLM built with its own default context fell back to vLLM's testing defaults (128 sequences, 2,048 batched
+    tokens) where `LLM` gets 1024 / 16,384 on an H100: the streaming engine must be built in LLM's context."""
+    made = {}
+
+    class UsageContext:   # vllm/usage/usage_lib.py
+        LLM_CLASS, ENGINE_CONTEXT = "LLM_CLASS", "ENGINE_CONTEXT"
+
+    class AsyncLLM:
+        @classmethod
+        def from_engine_args(cls, engine_args, start_engine_loop=True, usage_context=UsageContext.ENGINE_CONTEXT):
+            made.update(args=engine_args, usage_context=usage_context)
+            return "llm"
+
+    usage = types.ModuleType("vllm.usage.usage_lib")
+    usage.UsageContext = UsageContext
+    async_llm = types.ModuleType("vllm.v1.engine.async_llm")
+    async_llm.AsyncLLM = AsyncLLM
+    fake_vllm.AsyncEngineArgs = lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "vllm.usage.usage_lib", usage)
+    monkeypatch.setitem(sys.modules, "vllm.v1.engine.async_llm", async_llm)
+    assert asyncio.run(AsyncVLLMRunner._start(None, "m", {"max_num_seqs": 7})) == "llm"
+    assert made == {"args": {"model": "m", "max_num_seqs": 7}, "usage_context": "LLM_CLASS"}
