@@ -11,7 +11,8 @@ For each count of running requests (each one prompt, n=1, ignore_eos, long respo
 vLLM is measured with and without vLLM's incremental detokenization (interleaved: each running count starts one
 set per variant, which goes first alternates): "detok" (vLLM detokenizes every token in its output processing, on
 the runner's event loop, as before this round) and "end" (`detokenize=False`, the text decoded once per sample at
-the end: what StreamingVLLMEngine asks for now). The pause is the runner's own (`AsyncVLLMRunner.pause`: the
+the end: what StreamingVLLMEngine asks for with partial rollouts); abort rounds also run "final" (FINAL_ONLY: one
+output per request at its end, what it asks for without them). The pause is the runner's own (`AsyncVLLMRunner.pause`: the
 engine core's pause, no drain; `resume()` drains) and is split into: loop lag (until our coroutine runs on the
 runner's event loop), the engine core's pause, and the outputs still queued from the engine when it returned.
 `resume_s` includes the drain.
@@ -55,8 +56,11 @@ class Vllm:
 
     def start(self, n: int, args, variant: str):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
         sp = SamplingParams(n=1, temperature=1.0, max_tokens=args.max_tokens, logprobs=0, ignore_eos=True,
                             detokenize=variant == "detok")
+        if variant == "final":   # one output per request at its end (no keep pause allowed)
+            sp.output_kind = RequestOutputKind.FINAL_ONLY
         out: dict = {}
         prompts = _prompts(n, self.vocab, args.seed + n)
         t = threading.Thread(target=lambda: out.update(rows=self.runner.generate(prompts, sp)), daemon=True)
@@ -114,6 +118,8 @@ class Hf:
 def measure(eng, args) -> list[dict]:
     rows = []
     variants = ["end", "detok"] if args.engine == "vllm" else ["-"]
+    # FINAL_ONLY requests refuse a keep pause: abort rounds only
+    abort_variants = variants + ["final"] if args.engine == "vllm" else variants
     for j, n in enumerate(args.running):
         for v in (variants if j % 2 == 0 else variants[::-1]):   # keep: one running set per variant
             job = eng.start(n, args, v) if n else None
@@ -125,7 +131,7 @@ def measure(eng, args) -> list[dict]:
                 eng.pause("abort")                  # end the keep set
                 job[0].join(600)
         for k in range(args.abort_rounds):         # abort: a fresh running set each time
-            for v in (variants if k % 2 == 0 else variants[::-1]):
+            for v in (abort_variants if k % 2 == 0 else abort_variants[::-1]):
                 job = eng.start(n, args, v) if n else None
                 time.sleep(args.warm_s if n else 0.1)
                 m = eng.pause("abort")

@@ -10,6 +10,7 @@
 #   bash bench/device/round9.sh pause   # GPU 0: bench/pause_latency.py, 0-512 running requests (#27 item 1, with the
 #                                       # texts decoded by decode_batch since 6d0dfe3)
 #   bash bench/device/round9.sh async   # GPUs 0,1: bench/async_rl.py disaggregated, sync / k1 / k1p (#27, #32 item 5)
+#   bash bench/device/round9.sh final   # GPU 0: FINAL_ONLY requests on the streaming vLLM engine (ninth session)
 #   bash bench/device/round9.sh sgtest  # GPU 0: the SGLang colocated stream test whose assertion 21eaf5c fixed
 # Files in $OUT: gpus.txt, one log per job, tables, a tar of the fault run's records.
 set -uo pipefail
@@ -37,17 +38,21 @@ case "${1:-}" in
     echo "== sync bench exit $?"; grep -E "^\||Error" "$OUT/sync_1b.log" | tail -8 ;;
   pause)
     CUDA_VISIBLE_DEVICES=0 timeout -k 15 "${PAUSE_TIMEOUT:-560}" python3 bench/pause_latency.py --engine vllm \
-      --running 0 64 256 512 --max-tokens 2048 --rounds 6 --abort-rounds 2 --out "$OUT/pause.md" > "$OUT/pause.log" 2>&1
+      --running ${RUNNING:-0 64 256 512} --max-tokens 2048 --rounds 6 --abort-rounds 2 --out "$OUT/pause.md" > "$OUT/pause.log" 2>&1
     echo "== pause exit $?"; grep -E "^\|" "$OUT/pause.md" 2>/dev/null || tail -20 "$OUT/pause.log" ;;
   async)
     timeout -k 20 "${ASYNC_TIMEOUT:-570}" python3 bench/async_rl.py --modes "${MODES:-sync,k1,k1p}" \
       --steps "${STEPS:-2}" --median 200 --out "$OUT/async.md" --workdir /tmp/async_rl --copy-to "$OUT" \
       > "$OUT/async.log" 2>&1; echo "== async exit $?"
     grep -E "^seg|Error|Traceback" "$OUT/async.log" | cut -c1-240 | tail -30; cat "$OUT/async.md" 2>/dev/null ;;
+  final)   # GPU 0: the streaming engine's FINAL_ONLY requests (no partial rollouts) against streamed ones
+    CUDA_VISIBLE_DEVICES=0 timeout -k 15 "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/gpu/test_vllm_streaming.py -k "final_only or as_wide" > "$OUT/final_tests.log" 2>&1
+    echo "== final tests exit $?"; tail -3 "$OUT/final_tests.log" ;;
   sgtest)
     PYTHONPATH=/tmp/site-sglang:$PWD:$PWD/tests RLHF_ORCH_LOG_LEVEL=WARNING CUDA_VISIBLE_DEVICES=0 \
       timeout -k 15 "${TEST_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" \
       tests/gpu/test_sglang_engine.py -k "one_call_per_sync" > "$OUT/sgtest.log" 2>&1; echo "== sgtest exit $?"
     tail -5 "$OUT/sgtest.log" ;;
-  *) echo "usage: $0 mixed|pause|async|sgtest"; exit 2 ;;
+  *) echo "usage: $0 mixed|check|pause|async|final|sgtest"; exit 2 ;;
 esac

@@ -41,6 +41,10 @@ class SamplingParams:
     # convention for n > 1), leaving the engine's own sampling RNG, and so the training stream, untouched.
     # None (training): the engine's RNG. temperature 0 is greedy (argmax) and needs no seed.
     seed: int | None = None
+    # A "keep" pause may come while a request runs (partial rollouts): a streaming engine must then stamp each token
+    # with the weight version it was sampled under, as it arrives. False (no keep pause can come): it may hand back
+    # each request only when it ends (vLLM: FINAL_ONLY outputs, no per-token work on its front end's loop).
+    per_token_versions: bool = True
 
 
 TRANSPORTS = frozenset({"ipc", "broadcast"})

@@ -89,6 +89,7 @@ class AsyncVLLMRunner:
         self.last_pause: dict[str, float] = {}   # where the last pause() spent its time (see pause)
         self._calls: set[_Call] = set()   # touched on the loop thread only
         self._open = 0                      # requests whose stream has not ended (loop thread only)
+        self._open_final = 0                # of which FINAL_ONLY: no per-token versions (loop thread only)
         self._asleep: set[str] = set()
         self._llm: Any = None
         self._loop = asyncio.new_event_loop()
@@ -208,15 +209,23 @@ class AsyncVLLMRunner:
         # n > 1: each output holds only the children with news, one CompletionOutput per index, a finished
         # child is not repeated (parallel_sampling.py:100-126; merge by index, outputs.py:159-181), and the
         # stream ends once every child finished (parallel_sampling.py:125, async_llm.py:579-584).
+        # FINAL_ONLY (asked for by the caller): one output when the request ends (all children, whole lists), so
+        # hundreds of running requests cost the loop nothing per step: its lag behind the GPU is what delayed a
+        # pause at 512 running (bench/RESULTS.md). Every token is then stamped with the version in force at the
+        # end, exact only if no "keep" pause comes meanwhile (_pause refuses one).
         sp = sp.clone()
-        sp.output_kind = RequestOutputKind.DELTA
+        final_only = sp.output_kind == RequestOutputKind.FINAL_ONLY
+        if not final_only:
+            sp.output_kind = RequestOutputKind.DELTA
         comps: dict[int, _Completion] = {}
         self._open += 1
+        self._open_final += final_only
         try:
             async for out in self._llm.generate(TokensPrompt(prompt_token_ids=prompt), sp, rid):
                 self._take(out, comps, call)
         finally:
             self._open -= 1
+            self._open_final -= final_only
         if len(comps) != sp.n:
             raise EngineError(f"request {rid}: got {len(comps)} completions, expected n={sp.n}")
         rows: list[Row] = []
@@ -273,6 +282,10 @@ class AsyncVLLMRunner:
 
     async def _pause(self, mode: str, clear_cache: bool, drain: bool, t_call: float) -> None:
         ts = time.perf_counter()
+        if mode == "keep" and self._open_final:
+            raise EngineError(f"a keep pause with {self._open_final} running request(s) that report only their final "
+                              "output: their tokens' weight versions would be lost; generate with per_token_versions "
+                              "(SamplingParams) where a keep pause may come")
         open_requests = self._open   # streams not ended yet: the requests the pause stops (or, in "wait", waits for)
         if clear_cache:
             await self._llm.pause_generation(mode=mode, clear_cache=True)
@@ -370,6 +383,7 @@ class StreamingVLLMEngine(VLLMEngine):
 
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list[Sample]:
         from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         self._check_can_generate()
         if not prompts:
@@ -377,7 +391,9 @@ class StreamingVLLMEngine(VLLMEngine):
         each = per_prompt_params(params, len(prompts))
         made = {p: VSamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_new_tokens,
                                    logprobs=0, seed=p.seed, ignore_eos=p.ignore_eos,
-                                   detokenize=False)   # decoded once per sample (AsyncVLLMRunner._decoded)
+                                   detokenize=False,   # decoded once per sample (AsyncVLLMRunner._decoded)
+                                   output_kind=RequestOutputKind.DELTA if p.per_token_versions
+                                   else RequestOutputKind.FINAL_ONLY)   # see AsyncVLLMRunner._one
                 for p in set(each)}
         prompt_ids = [[int(t) for t in p] for p in prompts]
         try:

@@ -50,6 +50,19 @@ def test_streaming_vllm_batches_as_wide_as_llm(engine):
     assert sched.max_num_seqs == llm_seqs[UsageContext.LLM_CLASS] and sched.max_num_seqs >= 256
 
 
+def test_streaming_vllm_final_only_gives_what_streaming_gives(engine):
+    """per_token_versions=False (no partial rollouts): vLLM hands back each request only at its end (FINAL_ONLY);
+    greedy, the same tokens and logprobs as the streamed call, every token stamped with the engine's version."""
+    p = build_tokenizer()("12+7=", add_special_tokens=False).input_ids
+    kw = dict(max_new_tokens=48, n=2, temperature=0.0, ignore_eos=True)
+    streamed = engine.generate([p] * 3, SamplingParams(**kw))
+    final = engine.generate([p] * 3, SamplingParams(**kw, per_token_versions=False))
+    assert [s.response_ids for s in final] == [s.response_ids for s in streamed]
+    for a, b in zip(final, streamed):
+        assert len(a.logprobs) == 48 and a.logprobs == pytest.approx(b.logprobs, abs=0.05)
+        assert a.token_versions == [engine.weight_version] * 48 and a.text == b.text
+
+
 def test_streaming_vllm_concurrent_calls(engine):
     """Generate calls from several threads run at once (continuous batching across them)."""
     p = build_tokenizer()("1+1=", add_special_tokens=False).input_ids

@@ -281,3 +281,37 @@ def test_asyncllm_gets_the_batch_sizes_llm_gets(monkeypatch, fake_vllm):
     monkeypatch.setitem(sys.modules, "vllm.v1.engine.async_llm", async_llm)
     assert asyncio.run(AsyncVLLMRunner._start(None, "m", {"max_num_seqs": 7})) == "llm"
     assert made == {"args": {"model": "m", "max_num_seqs": 7}, "usage_context": "LLM_CLASS"}
+
+
+def final_only(**kw) -> FakeSamplingParams:
+    sp = FakeSamplingParams(**kw)
+    sp.output_kind = RequestOutputKind.FINAL_ONLY
+    return sp
+
+
+def test_final_only_requests_give_what_streamed_ones_give(make_runner):
+    """FINAL_ONLY (what StreamingVLLMEngine asks for without partial rollouts): one output per request at its end;
+    the rows equal the DELTA-streamed ones, every token stamped with the version in force."""
+    runner, fake = make_runner()
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    streamed = runner.generate(prompts, FakeSamplingParams(n=2, max_tokens=23), version_fn=lambda: 4)
+    final = runner.generate(prompts, final_only(n=2, max_tokens=23), version_fn=lambda: 4)
+    assert fake.kinds_seen == [RequestOutputKind.DELTA] * 3 + [RequestOutputKind.FINAL_ONLY] * 3
+    assert final == streamed and all(r[4] == [4] * 23 and r[5] == "length" for r in final)
+
+
+def test_final_only_requests_wait_and_abort_pauses_but_refuse_keep(make_runner):
+    """No keep pause while a FINAL_ONLY request runs (its tokens' versions would be lost): the pause raises before
+    stopping anything; an abort pause hands the requests back unfinished, as with DELTA."""
+    runner, fake = make_runner(step_s=0.003)
+    job = Bg(runner.generate, [[1], [2]], final_only(n=2, max_tokens=400), version_fn=lambda: 0)
+    wait_for(lambda: fake.tokens_emitted >= 12)
+    with pytest.raises(EngineError, match="keep pause with 2 running request"):
+        runner.pause("keep")
+    assert fake.pause_calls == [] and fake.paused is None
+    runner.pause("abort")
+    runner.resume()
+    rows = job.get()
+    assert len(rows) == 4 and {r[5] for r in rows} == {"abort"}
+    for i, idx, toks, lps, _v, _reason, _text in rows:
+        assert 0 < len(toks) < 400 and toks == expected([[1], [2]][i], idx, len(toks))[0] and len(lps) == len(toks)
