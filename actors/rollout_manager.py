@@ -278,11 +278,10 @@ class RolloutManager:
         max_staleness >= 1, where each group samples from its own seed (`group_seed`): its samples then depend on
         neither the engine nor what it generated before."""
         base = self.params[engine]
-        keep = pause_mode(self.cfg, self.rollout) == "keep"
-        if base.per_token_versions != keep:
+        if self.rollout.final_outputs and pause_mode(self.cfg, self.rollout) != "keep":
             # only a "keep" pause (partial rollouts) changes weights under a running request: without one a streaming
             # engine may hand back each request once it ends (engines/base.SamplingParams.per_token_versions)
-            base = dataclasses.replace(base, per_token_versions=keep)
+            base = dataclasses.replace(base, per_token_versions=False)
         seeded = self.sched.deterministic and self.rollout.max_staleness >= 1
         if not seeded and not any("max_new_tokens" in g.prompt.row or "ignore_eos" in g.prompt.row for g in groups):
             return base

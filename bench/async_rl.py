@@ -1,6 +1,7 @@
 """Whole-step throughput of streaming rollouts: the synchronous loop vs max_staleness 1 vs 1 + partial rollouts vs 1
 with every weight sync on the trainer's path (k1s: weight_sync.overlap off; k1 and k1p overlap it, the default) vs 1
-with running requests aborted at each sync (k1a; k1's running_requests auto waits for them, its sync being overlapped).
+with running requests aborted at each sync (k1a; k1's running_requests auto waits for them, its sync being overlapped);
+syncf / k1f are sync / k1 with rollout.final_outputs (vLLM hands back each request only at its end).
 
     python bench/async_rl.py --out bench/RESULTS_async.md     # nvidia-h200-x2: trainer GPU 0, streaming vLLM GPU 1
     python bench/async_rl.py --colocated                      # one GPU: vLLM beside the trainer, CUDA IPC sync
@@ -21,7 +22,9 @@ otherwise the part that ran after the next step's batch was ready, i.e. while th
 The bound (issue #27): a step cannot take less than max(its tokens at the engines' steady throughput, train + the sync's
 unhidden part). Steady throughput is measured in the same run: the most tokens per second of engine busy time any
 segment reached (where the engines were kept loaded, k1p usually). Each mode is reported against its own bound (its train
-time and unhidden sync). Targets: k1 >= 0.9 of its bound, k1p >= k1, trainer idle < 10% of its step.
+time and unhidden sync). Targets: k1 >= 0.9 of its bound, k1p >= k1, trainer idle < 10% of its step. That bound has
+no latency term: a step's batch waits for its longest group, L (the sync mode's generate), and at staleness k its
+groups are admitted about k train steps ahead, so "x latency bound" also counts L / k seconds per step.
 """
 from __future__ import annotations
 
@@ -58,7 +61,10 @@ MODES = {"sync": dict(max_staleness=0, partial_rollouts=False), "k1": dict(max_s
          "k1s": dict(max_staleness=1, partial_rollouts=False, overlap=False),
          # k1 whose syncs abort the running requests and re-queue them (running_requests auto waits where, as in k1,
          # the sync overlaps training; k1s aborts: its sync is on the trainer's path)
-         "k1a": dict(max_staleness=1, partial_rollouts=False, running_requests="abort")}
+         "k1a": dict(max_staleness=1, partial_rollouts=False, running_requests="abort"),
+         # rollout.final_outputs: vLLM hands back each request at its end (FINAL_ONLY), nothing per token on its loop
+         "syncf": dict(max_staleness=0, partial_rollouts=False, final_outputs=True),
+         "k1f": dict(max_staleness=1, partial_rollouts=False, final_outputs=True)}
 
 
 def reward(response: str, row: dict) -> float:
@@ -176,10 +182,14 @@ def table(per_mode: dict[str, list[dict]], args) -> str:
     where = "colocated on one GPU (CUDA IPC)" if args.colocated else "trainer GPU 0, vLLM GPU 1 (NCCL)"
     lines = [f"{where}; workload: {args.prompts} prompts x {args.group}, lognormal lengths median {args.median} sigma {args.sigma} "
              f"cap {args.cap}, {args.segments} segments x ({args.warmup} warm-up + {args.steps} measured steps) per mode, interleaved",
-             "", "| mode | steps/s (median; min-max) | tokens/s | x sync | x its bound (bound steps/s) | trainer GPU idle "
+             "", "| mode | steps/s (median; min-max) | tokens/s | x sync | x its bound (bound steps/s) | x latency bound | "
+             "trainer GPU idle "
              "(per-step metric) | engine GPU idle | "
              "sync on critical path | gen / train / sync s (median) | lag-1 tokens | spanning |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    # A step's batch is done when its longest group is: L, the sync mode's generate (from an idle engine). At
+    # staleness k a step's groups are admitted k train steps ahead, so no step is shorter than L / k (RESULTS.md).
+    latency = med([x["generate_s"] for x in sync]) if sync else float("nan")
     # The engines' steady throughput: the most tokens per second of engine busy time any segment reached.
     steady = max((x["tokens_per_step"] * x["steps"] / x["engine_busy_s"] for xs in per_mode.values() for x in xs
                   if x["engine_busy_s"] > 0), default=float("nan"))
@@ -188,15 +198,20 @@ def table(per_mode: dict[str, list[dict]], args) -> str:
         speed = med(sps) / base if base else float("nan")
         own = max(med([x["tokens_per_step"] for x in xs]) / steady,
                   med([x["train_s"] for x in xs]) + med([x["unhidden_sync_s"] for x in xs]))   # seconds per step
+        k = MODES.get(mode, {}).get("max_staleness", 0)
+        lat = med(sps) * max(own, latency / k) if k else float("nan")
         lines.append(f"| {mode} | {med(sps):.4f}; {min(sps):.4f}-{max(sps):.4f} | {med([x['tokens_per_s'] for x in xs]):.0f} | "
-                     f"{speed:.3f} | {med(sps) * own:.3f} ({1 / own:.4f}) | {1 - med([x['trainer_busy'] for x in xs]):.2f} "
+                     f"{speed:.3f} | {med(sps) * own:.3f} ({1 / own:.4f}) | {lat:.3f} | "
+                     f"{1 - med([x['trainer_busy'] for x in xs]):.2f} "
                      f"({med([x['trainer_idle_frac'] for x in xs]):.2f}) | "
                      f"{1 - med([x['engine_busy'] for x in xs]):.2f} | {med([x['sync_critical_share'] for x in xs]):.2f} | "
                      f"{med([x['generate_s'] for x in xs]):.2f} / {med([x['train_s'] for x in xs]):.2f} / "
                      f"{med([x['sync_s'] for x in xs]):.3f} | {med([x['lag1_frac'] for x in xs]):.2f} | "
                      f"{med([x['spanning_frac'] for x in xs]):.2f} |")
     lines += ["", f"bound per mode: max(tokens per step / {steady:.0f} tokens/s (the engines' steady throughput, measured "
-              "here), train + the sync's unhidden part); targets: k1 >= 0.9 of its bound, k1p >= k1, trainer idle < 0.10"]
+              "here), train + the sync's unhidden part); targets: k1 >= 0.9 of its bound, k1p >= k1, trainer idle < 0.10",
+              f"latency bound at staleness k: the same, and at least L / k seconds per step, L = {latency:.2f} s (the sync "
+              "mode's generate: a step's longest group from an idle engine)"]
     if bound:
         lines += [f"(the old ideal bound from the sync mode's phases, (generate + train + sync) / max(generate, train + sync) = "
                   f"{bound:.3f}x sync)"]

@@ -453,6 +453,9 @@ def rollout_problems(cfg: ExperimentConfig) -> list[str]:
         for i, kind, fix in stuck:
             p.append(f"rollout.running_requests: abort needs engines that stop a request between two decode steps and "
                      f"engines.{i} (kind {kind}) cannot; {fix}, or set running_requests: wait (or remove it: auto)")
+    if r.final_outputs and r.partial_rollouts:
+        p.append("rollout.final_outputs: a request kept through a sync (partial_rollouts) needs each token's weight "
+                 "version as it is sampled; set final_outputs: false or partial_rollouts: false")
     if r.deterministic and r.partial_rollouts:
         p.append("rollout.deterministic: a parked request continues on the new weights from whichever token it had "
                  "reached, which depends on timing; set partial_rollouts: false or deterministic: false")

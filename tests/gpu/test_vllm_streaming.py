@@ -54,7 +54,7 @@ def test_streaming_vllm_final_only_gives_what_streaming_gives(engine):
     """per_token_versions=False (no partial rollouts): vLLM hands back each request only at its end (FINAL_ONLY);
     greedy, the same tokens and logprobs as the streamed call, every token stamped with the engine's version."""
     p = build_tokenizer()("12+7=", add_special_tokens=False).input_ids
-    kw = dict(max_new_tokens=48, n=2, temperature=0.0, ignore_eos=True)
+    kw = dict(max_new_tokens=48, n=1, temperature=0.0, ignore_eos=True)   # greedy: n must be 1
     streamed = engine.generate([p] * 3, SamplingParams(**kw))
     final = engine.generate([p] * 3, SamplingParams(**kw, per_token_versions=False))
     assert [s.response_ids for s in final] == [s.response_ids for s in streamed]

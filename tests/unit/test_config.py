@@ -123,6 +123,10 @@ def test_rollout_settings_are_checked_before_anything_starts():
         load_config(cfg, ["rollout.filter_groups=true", "algorithm.group_size=1"])
     ok = load_config(cfg, ["rollout.max_staleness=2", "rollout.partial_rollouts=true", "algorithm.off_policy=decoupled"])
     assert ok.rollout.max_staleness == 2 and ok.algorithm.off_policy == "decoupled"
+    with pytest.raises(ConfigError, match=r"rollout.final_outputs: a request kept through a sync \(partial_rollouts\) "
+                                          r"needs each token's weight version"):
+        load_config(cfg, ["rollout.max_staleness=1", "rollout.partial_rollouts=true", "rollout.final_outputs=true"])
+    assert load_config(cfg, ["rollout.max_staleness=1", "rollout.final_outputs=true"]).rollout.final_outputs
 
 
 def test_partial_rollouts_need_engines_that_can_pause(tmp_path):

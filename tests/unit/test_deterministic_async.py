@@ -3,16 +3,17 @@ config rules, the engine actor's gate (calls served in dispatch order; a "wait" 
 before it; a late call fails loudly), and the per-group sampling seeds."""
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 import actors.rollout as rollout_mod
-from actors.rollout_manager import group_seed
+from actors.rollout_manager import RolloutManager, group_seed
 from rlhf_orch.config.checks import pause_mode
 from rlhf_orch.config.loader import load_config
 from rlhf_orch.config.schema import HFEngineConfig
-from rlhf_orch.engines.base import Capabilities
+from rlhf_orch.engines.base import Capabilities, SamplingParams
 from rlhf_orch.errors import ConfigError, EngineError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +60,22 @@ def test_pause_mode_of_a_rollout_section_with_auto_left_to_resolve():
     assert pause_mode(cfg, stale.model_copy(update={"running_requests": "wait"})) == "wait"   # explicit stays
     dedicated = load_config(TINY, ["~engines.0"])               # overlapped: running requests finish
     assert pause_mode(dedicated, stale) == "wait"
+
+
+def test_final_outputs_reach_the_engines_params_only_where_no_keep_pause_comes():
+    """rollout.final_outputs: the manager's per-call params ask for per-token versions unless it is on, and a
+    benchmark's section with partial rollouts (a keep pause) streams them whatever final_outputs says."""
+    params = RolloutManager.__ray_metadata__.modified_class._params
+    cfg = load_config(TINY, ["rollout.max_staleness=1"])
+    groups = [types.SimpleNamespace(prompt=types.SimpleNamespace(row={}), gid=0, attempts=1)]
+
+    def per_token(**rollout):
+        me = types.SimpleNamespace(params={"e": SamplingParams(n=2)}, cfg=cfg,
+                                   rollout=cfg.rollout.model_copy(update=rollout),
+                                   sched=types.SimpleNamespace(deterministic=False))
+        return params(me, "e", groups).per_token_versions
+    assert per_token() and not per_token(final_outputs=True)
+    assert per_token(final_outputs=True, partial_rollouts=True)
 
 
 def test_auto_waits_with_one_warning_naming_an_engine_that_cannot_stop(tmp_path, config_warnings):
