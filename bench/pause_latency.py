@@ -11,8 +11,8 @@ For each count of running requests (each one prompt, n=1, ignore_eos, long respo
 vLLM is measured with and without vLLM's incremental detokenization (interleaved: each running count starts one
 set per variant, which goes first alternates): "detok" (vLLM detokenizes every token in its output processing, on
 the runner's event loop, as before this round) and "end" (`detokenize=False`, the text decoded once per sample at
-the end: what StreamingVLLMEngine asks for with partial rollouts); abort rounds also run "final" (FINAL_ONLY: one
-output per request at its end, what it asks for without them). The pause is the runner's own (`AsyncVLLMRunner.pause`: the
+the end: what StreamingVLLMEngine asks for by default); abort rounds also run "final" (FINAL_ONLY: one output per
+request at its end, what rollout.final_outputs asks for). The pause is the runner's own (`AsyncVLLMRunner.pause`: the
 engine core's pause, no drain; `resume()` drains) and is split into: loop lag (until our coroutine runs on the
 runner's event loop), the engine core's pause, and the outputs still queued from the engine when it returned.
 `resume_s` includes the drain.

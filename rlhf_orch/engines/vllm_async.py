@@ -209,10 +209,10 @@ class AsyncVLLMRunner:
         # n > 1: each output holds only the children with news, one CompletionOutput per index, a finished
         # child is not repeated (parallel_sampling.py:100-126; merge by index, outputs.py:159-181), and the
         # stream ends once every child finished (parallel_sampling.py:125, async_llm.py:579-584).
-        # FINAL_ONLY (asked for by the caller): one output when the request ends (all children, whole lists), so
-        # hundreds of running requests cost the loop nothing per step: its lag behind the GPU is what delayed a
-        # pause at 512 running (bench/RESULTS.md). Every token is then stamped with the version in force at the
-        # end, exact only if no "keep" pause comes meanwhile (_pause refuses one).
+        # FINAL_ONLY (asked for by the caller, rollout.final_outputs): one output when the request ends (all
+        # children, whole lists), so hundreds of running requests cost the loop nothing per step (its lag is most of
+        # a pause at 512 running; that this pays is not shown yet, bench/RESULTS.md). Every token is then stamped
+        # with the version in force at the end, exact only if no "keep" pause comes meanwhile (_pause refuses one).
         sp = sp.clone()
         final_only = sp.output_kind == RequestOutputKind.FINAL_ONLY
         if not final_only:
