@@ -37,6 +37,7 @@ from rlhf_orch.models import BUILTIN_PREFIX, ensure_model_dir
 from rlhf_orch.report import end_of_run     # pathlib only
 from rlhf_orch.resources import local_fit_problem
 from rlhf_orch.rewards.check import check_reward_function
+from rlhf_orch.rollout.advice import StalenessAdvisor
 from rlhf_orch.run_dir import RunLock, claim_run_dir, job_output_override, ray_job_id
 from rlhf_orch.torch_ext import prepare_extensions_dir
 # Modules that bring torch, transformers or Ray in are imported inside the functions that need them, so that
@@ -210,10 +211,15 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
         quiet_bar.enter_context(logging_redirect_tqdm())   # log lines above the progress bar, not glued onto it
         bar = tqdm(range(start, last + 1), initial=start - 1, total=last, desc=cfg.algorithm.name.upper(), file=sys.stderr)
         snap: dict = {}   # the cost of the step snapshot written after the previous step, in this step's record
+        advisor = StalenessAdvisor(cluster.max_staleness)
         for step in bar:
             m, meta = rl_step(cluster, cfg, step)
             m.update(snap)
             records.append({"step": step, **m})
+            advice = advisor.observe(m)
+            if advice:   # once per run: the staleness bound, not the engines, holds the trainer back
+                logger.warning("%s", advice)
+                summary.setdefault("advice", []).append(advice)
             summary["last_step"] = step
             _recovered(cluster.faults + (restarts or []), step)
             cluster.log_rollouts(step, meta)

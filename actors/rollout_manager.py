@@ -128,6 +128,8 @@ class RolloutManager:
                       ready - dispatched, balance_tokens=bool(t.max_tokens_per_micro_batch))
         led = self.sched.ledger()
         metrics = {**sb.metrics, "rollout/groups_filtered": float(filtered),
+                   # the slowest group's time from its (last) dispatch to scored: what a step waits for at the end
+                   "rollout/group_latency_max_s": max(g.ready_at - g.dispatched_at for g in groups),
                    "perf/batch_ready_t": ready - self.timeline.t0,
                    "perf/batch_dispatch_t": dispatched - self.timeline.t0,
                    **{f"ledger/{k}": float(v) for k, v in led.items()}}

@@ -63,6 +63,8 @@ def test_staleness_one_partial_rollouts_filtering_and_tis(tmp_path, monkeypatch)
         # idle = waiting for the batch + the sync beyond staging; never more than the step (issue #27)
         idle = r["perf/generate_s"] + max(0.0, r["perf/sync_s"] - r["sync/stage_s"])
         assert r["perf/trainer_idle_s"] == pytest.approx(idle) and 0.0 <= r["perf/trainer_idle_frac"] <= 1.0
+        # the batch's slowest group, dispatch to scored: a group takes at least one decode call, at most the run so far
+        assert 0.0 < r["rollout/group_latency_max_s"] < r["perf/batch_ready_t"]
         if r["step"] > 1:   # the pause's parts (RolloutActor.pause): keep mode waits out no call, so no gate wait
             assert r["sync/pause_gate_s"] < 0.05 and 0.0 <= r["sync/pause_engine_s"] <= r["sync/pause_s"]
     assert sum(r["staleness/lag_1"] for r in records) > 0                 # trained on one-step-old tokens
