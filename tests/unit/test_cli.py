@@ -170,3 +170,11 @@ def test_help_imports_nothing_heavy():
 def test_console_script_is_declared():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"rlhf-orch": "rlhf_orch.cli:main"}
+
+
+def test_importing_launch_brings_in_nothing_heavy():
+    """launch.py's top-level imports stay light (its comment says why: `--help` and config errors come at once); a
+    library module whose package pulls torch in belongs inside the function that needs it."""
+    code = f"import sys; sys.path.insert(0, '.'); import launch; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,6 +1,6 @@
-"""rlhf_orch/rollout/advice.py: when the slowest group outlasts the train steps that cover it, the advice names the
+"""rlhf_orch/metrics/advice.py: when the slowest group outlasts the train steps that cover it, the advice names the
 max_staleness that would hide it, once; otherwise (on-policy, batches on time, too few steps) nothing."""
-from rlhf_orch.rollout.advice import StalenessAdvisor
+from rlhf_orch.metrics.advice import StalenessAdvisor
 
 
 def step(latency=8.2, train=5.8, wait=2.5, step_s=8.4):
