@@ -60,6 +60,33 @@ _SUMS = _EV_RECEIVER + SLOTS * _EVENT_WORDS
 HOST, DEVICE = 0, 1                     # hand-over modes (`mode` word)
 
 
+PREFIX = "rlhf_orch_mailbox_"
+ORPHAN_AGE_S = 600.0   # a file is unlinked seconds after it is made (at the sender's attach); older ones are leftovers
+
+
+def remove_orphans(root: str, min_age_s: float = ORPHAN_AGE_S) -> list[str]:
+    """Unlink the mailbox files of receivers that died before their sender attached (a SIGKILLed engine or trainer
+    leaves its file: 279 had piled up in this machine's /dev/shm over days of fault tests). Only files whose
+    creator's process is gone and that are older than `min_age_s`: a process in another pid namespace sharing
+    /dev/shm looks dead from here, but its file is unlinked long before that age. Returns the names removed."""
+    gone, now = [], time.time()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(PREFIX)]
+    except OSError:
+        return gone
+    for name in names:
+        pid = name[len(PREFIX):].split("_", 1)[0]
+        path = os.path.join(root, name)
+        try:
+            if not pid.isdigit() or _alive(int(pid)) or now - os.stat(path).st_mtime < min_age_s:
+                continue
+            os.unlink(path)
+            gone.append(name)
+        except OSError:   # another sweeper got it first, or not ours to remove
+            continue
+    return gone
+
+
 def seq_of(sync_id: int, bucket: int) -> int:
     return sync_id * (1 << 20) + bucket + 1
 
@@ -74,7 +101,8 @@ class Mailbox:
     @classmethod
     def create(cls, n_tensors: int) -> "Mailbox":
         root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        path = os.path.join(root, f"rlhf_orch_mailbox_{os.getpid()}_{uuid.uuid4().hex[:12]}")
+        remove_orphans(root)
+        path = os.path.join(root, f"{PREFIX}{os.getpid()}_{uuid.uuid4().hex[:12]}")
         words = np.memmap(path, dtype=np.int64, mode="w+", shape=(_SUMS + n_tensors,))   # zero-filled
         words[_PID] = os.getpid()
         return cls(path, words, owner=True)

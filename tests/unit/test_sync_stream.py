@@ -14,7 +14,7 @@ from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync.buckets import checksums, plan_buckets
 from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
-from rlhf_orch.weight_sync.mailbox import Mailbox, seq_of
+from rlhf_orch.weight_sync.mailbox import ORPHAN_AGE_S, PREFIX, Mailbox, remove_orphans, seq_of
 from rlhf_orch.weight_sync.receiver import WeightReceiver
 from rlhf_orch.weight_sync.sender import WeightSender
 from weight_sync_helpers import CPU, HOST, CHILD_TIMEOUT_S, GROUP_TIMEOUT_S, assert_bit_equal, spec, stop_children
@@ -232,3 +232,25 @@ def test_a_cpu_sender_hands_over_on_the_host():
     layouts = plan_buckets(MODEL, BUCKET)
     sender = WeightSender(layouts, CPU, ipc_engines=["A"])
     assert sender.gpu_handover is False
+
+
+def test_mailbox_files_of_dead_receivers_are_swept_when_a_new_one_is_made(tmp_path):
+    """A receiver SIGKILLed before its sender attached leaves its file; the next Mailbox.create on the machine removes
+    files whose creator is gone and that are older than a sync's set-up could be, and nothing else."""
+    dead = subprocess_pid_that_exited()
+    old, young, live, other = (tmp_path / f"{PREFIX}{dead}_a", tmp_path / f"{PREFIX}{dead}_b",
+                               tmp_path / f"{PREFIX}{os.getpid()}_c", tmp_path / "unrelated_file")
+    for p in (old, young, live, other):
+        p.write_bytes(b"x")
+    long_ago = time.time() - 2 * ORPHAN_AGE_S
+    os.utime(old, (long_ago, long_ago))
+    os.utime(live, (long_ago, long_ago))
+    assert remove_orphans(str(tmp_path)) == [old.name]
+    assert not old.exists() and young.exists() and live.exists() and other.exists()
+
+
+def subprocess_pid_that_exited() -> int:
+    p = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
+    p.start()
+    p.join()
+    return p.pid
