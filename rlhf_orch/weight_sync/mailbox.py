@@ -66,7 +66,7 @@ ORPHAN_AGE_S = 600.0   # a file is unlinked seconds after it is made (at the sen
 
 def remove_orphans(root: str, min_age_s: float = ORPHAN_AGE_S) -> list[str]:
     """Unlink the mailbox files of receivers that died before their sender attached (a SIGKILLed engine or trainer
-    leaves its file: 279 had piled up in this machine's /dev/shm over days of fault tests). Only files whose
+    leaves its file: about 190 had piled up in this machine's /dev/shm over days of fault tests). Only files whose
     creator's process is gone and that are older than `min_age_s`: a process in another pid namespace sharing
     /dev/shm looks dead from here, but its file is unlinked long before that age. Returns the names removed."""
     gone, now = [], time.time()
