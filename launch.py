@@ -33,11 +33,11 @@ from rlhf_orch.config import load_config
 from rlhf_orch.errors import (CheckpointError, ConfigError, RLHFOrchError, RunStopped, TrainerError, WeightSyncError,
                               is_actor_death)
 from rlhf_orch.metrics import PhaseTimer
+from rlhf_orch.metrics.advice import StalenessAdvisor   # no torch under rlhf_orch/metrics
 from rlhf_orch.models import BUILTIN_PREFIX, ensure_model_dir
 from rlhf_orch.report import end_of_run     # pathlib only
 from rlhf_orch.resources import local_fit_problem
 from rlhf_orch.rewards.check import check_reward_function
-from rlhf_orch.metrics.advice import StalenessAdvisor
 from rlhf_orch.run_dir import RunLock, claim_run_dir, job_output_override, ray_job_id
 from rlhf_orch.torch_ext import prepare_extensions_dir
 # Modules that bring torch, transformers or Ray in are imported inside the functions that need them, so that

@@ -38,7 +38,6 @@ from ray.exceptions import RayActorError
 from actors.common import setup_process
 from actors.reward import RewardWorkers
 from rlhf_orch.algorithms.base import make_algorithm
-from rlhf_orch.config.checks import pause_mode
 from rlhf_orch.config.schema import ExperimentConfig, RolloutSection
 from rlhf_orch.errors import ACTOR_DIED, EngineError, RewardError, RLHFOrchError, RolloutError
 from rlhf_orch.metrics.timeline import Timeline
@@ -280,9 +279,9 @@ class RolloutManager:
         max_staleness >= 1, where each group samples from its own seed (`group_seed`): its samples then depend on
         neither the engine nor what it generated before."""
         base = self.params[engine]
-        if self.rollout.final_outputs and pause_mode(self.cfg, self.rollout) != "keep":
-            # only a "keep" pause (partial rollouts) changes weights under a running request: without one a streaming
-            # engine may hand back each request once it ends (engines/base.SamplingParams.per_token_versions)
+        if self.rollout.final_outputs and not self.rollout.partial_rollouts:
+            # only partial rollouts pause ("keep") with weights changing under a running request: without them a
+            # streaming engine may hand back each request once it ends (engines/base.SamplingParams.per_token_versions)
             base = dataclasses.replace(base, per_token_versions=False)
         seeded = self.sched.deterministic and self.rollout.max_staleness >= 1
         if not seeded and not any("max_new_tokens" in g.prompt.row or "ignore_eos" in g.prompt.row for g in groups):

@@ -142,10 +142,8 @@ class FakeAsyncLLM:
         self.kinds_seen.append(sp.output_kind)
         assert sp.output_kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY), "DELTA or FINAL_ONLY only"
         req = _Req(request_id, list(prompt["prompt_token_ids"]), sp, [_Child(i) for i in range(sp.n)])
-        if sp.output_kind is RequestOutputKind.FINAL_ONLY:
-            async for out in self._final_only(req):
-                yield out
-            return
+        # FINAL_ONLY: the same steps, one output once every child ended (parallel_sampling.py:114-120)
+        final = sp.output_kind is RequestOutputKind.FINAL_ONLY
         await self._resumed.wait()           # queued while paused (any mode)
         self.active[request_id] = req
         self.max_active = max(self.max_active, len(self.active))
@@ -153,7 +151,8 @@ class FakeAsyncLLM:
             while True:
                 await asyncio.sleep(self.step_s)
                 if req.aborted:
-                    yield self._abort_output(req)
+                    out = self._abort_output(req)
+                    yield self._final_output(req, {c.index for c in out.outputs}) if final else out
                     return
                 if self.paused and not req.inflight:
                     await self._resumed.wait()
@@ -162,47 +161,26 @@ class FakeAsyncLLM:
                 if req.inflight:             # the step that was in flight when the pause took effect
                     req.inflight = False
                     self.engine_core.outputs_queue.get_nowait()
-                if out is not None:
+                if out is not None and not final:
                     yield out
                 if all(c.done for c in req.children):
+                    if final:
+                        yield self._final_output(req, set())
                     return
         finally:
             self.active.pop(request_id, None)
 
-    async def _final_only(self, req: _Req):
-        """FINAL_ONLY: the same steps, one output when every child ended (parallel_sampling.py:114-120), each child's
-        whole token and logprob lists (output_processor.py:396-402); an abort ends the unfinished ones as "abort"."""
-        reasons: dict[int, str] = {}
-        await self._resumed.wait()           # queued while paused (any mode)
-        self.active[req.rid] = req
-        self.max_active = max(self.max_active, len(self.active))
-        try:
-            while not all(c.done for c in req.children):
-                await asyncio.sleep(self.step_s)
-                if req.aborted:
-                    reasons.update({c.idx: "abort" for c in req.children if not c.done})
-                    for c in req.children:
-                        c.done = True
-                    if req.inflight:
-                        req.inflight = False
-                        self.engine_core.outputs_queue.get_nowait()
-                    break
-                if self.paused and not req.inflight:
-                    await self._resumed.wait()
-                    continue
-                self._step(req)
-                if req.inflight:
-                    req.inflight = False
-                    self.engine_core.outputs_queue.get_nowait()
-            outs = []
-            for c in req.children:
-                ids = [next(iter(pos)) for pos in c.logprobs]
-                lps = list(c.logprobs) if req.sp.logprobs is not None else None
-                text = "".join(txt(t) for t in ids) if req.sp.detokenize else ""
-                outs.append(CompletionOutput(c.idx, text, ids, None, lps, reasons.get(c.idx, "length")))
-            yield RequestOutput(req.rid, outs, True)
-        finally:
-            self.active.pop(req.rid, None)
+    @staticmethod
+    def _final_output(req: _Req, aborted: set[int]) -> RequestOutput:
+        """FINAL_ONLY's one output: each child's whole token and logprob lists (output_processor.py:396-402), the
+        children in `aborted` ended as "abort"."""
+        outs = []
+        for c in req.children:
+            ids = [next(iter(pos)) for pos in c.logprobs]
+            lps = list(c.logprobs) if req.sp.logprobs is not None else None
+            text = "".join(txt(t) for t in ids) if req.sp.detokenize else ""
+            outs.append(CompletionOutput(c.idx, text, ids, None, lps, "abort" if c.idx in aborted else "length"))
+        return RequestOutput(req.rid, outs, True)
 
     def _step(self, req: _Req) -> RequestOutput | None:
         req.step += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 
 
 class StalenessAdvisor:
@@ -22,14 +23,13 @@ class StalenessAdvisor:
     def __init__(self, max_staleness: int, window: int = 5, min_wait_frac: float = 0.1, max_suggested: int = 4):
         self.k, self.window, self.min_wait_frac = max_staleness, window, min_wait_frac
         self.max_suggested = max_suggested   # beyond it, more staleness buys little: generation is the bottleneck
-        self._recent: list[tuple[float, float, float, float]] = []
+        self._recent: deque[tuple[float, float, float, float]] = deque(maxlen=window)
         self.said = False
 
     def observe(self, m: dict) -> str | None:
         if self.k < 1 or self.said or "rollout/group_latency_max_s" not in m:
             return None
-        self._recent = (self._recent + [(m["rollout/group_latency_max_s"], m["perf/train_s"], m["perf/generate_s"],
-                                         m["perf/step_s"])])[-self.window:]
+        self._recent.append((m["rollout/group_latency_max_s"], m["perf/train_s"], m["perf/generate_s"], m["perf/step_s"]))
         if len(self._recent) < self.window:
             return None
         latency, train, wait, step = (statistics.median(x[i] for x in self._recent) for i in range(4))
