@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On nvidia-h100-x4 (tenth session; issue #32 items 1 and 2, the broadcast receive pipelined two buckets ahead with its
+# checksums on the device, and the sender's broadcast-only checksums on the device). One command per argument, each
+# under the 600 s limit; vLLM + DeepSpeed staged into /tmp/site, SGLang into /tmp/site-sglang for `sg`:
+#   bash bench/device/round10.sh tp   # GPUs 0-2: one TP=2 vLLM engine, 1B, the host hand-over (the code before
+#                                     # this session: RLHF_ORCH_SYNC_HANDOVER=host) then the default, 10 rounds each
+#                                     # against the raw-broadcast floor; 8B with the default; the TP=2 GPU test.
+#                                     # GPU 3 meanwhile: the one-GPU sync and vLLM tests
+#   bash bench/device/round10.sh sg   # GPUs 0,1: the SGLang GPU tests (item 2, after 21eaf5c); GPUs 2,3 meanwhile:
+#                                     # the two-GPU NCCL sync tests and the streaming vLLM tests
+# Files in $OUT: gpus.txt, one log and one JSON per job, tables.
+set -uo pipefail
+RLHF_ORCH_LOG_LEVEL=INFO; . bench/device/env.sh
+git log -1 --format='code: %h %s' 2>/dev/null; git status --short 2>/dev/null | head -5
+tp_bench() {   # name, model, handover, extra args
+  CUDA_VISIBLE_DEVICES=0,1,2 RLHF_ORCH_SYNC_HANDOVER=$3 timeout -k 15 "${BENCH_TIMEOUT:-150}" python3 bench/weight_sync.py \
+    --engine vllm --models "$2" --placements disaggregated --receivers tp2 --shard-floor --repeats 10 \
+    --bucket-mb "${BUCKET_MB:-256}" --json "$OUT/$1.json" > "$OUT/$1.log" 2>&1
+  echo "== $1 exit $?"; grep -E "^\||Error" "$OUT/$1.log" | tail -6
+}
+case "${1:-}" in
+  tp)
+    (CUDA_VISIBLE_DEVICES=3 timeout -k 15 "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/gpu/test_copysum_gpu.py tests/gpu/test_weight_sync_gpu.py tests/gpu/test_vllm_engine.py \
+      > "$OUT/gpu3_tests.log" 2>&1; echo "== GPU 3 tests exit $?" > "$OUT/gpu3_rc.txt") &
+    tp_bench tp2_1b_host llama-3.2-1b host
+    tp_bench tp2_1b_device llama-3.2-1b device
+    tp_bench tp2_8b_device llama-3.1-8b device
+    CUDA_VISIBLE_DEVICES=0,1,2 timeout -k 15 "${TP_TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/gpu/test_vllm_tp.py > "$OUT/tp_test.log" 2>&1; echo "== tp test exit $?"; tail -3 "$OUT/tp_test.log"
+    wait; cat "$OUT/gpu3_rc.txt"; tail -3 "$OUT/gpu3_tests.log" ;;
+  sg)
+    (CUDA_VISIBLE_DEVICES=2,3 timeout -k 15 "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/gpu/test_weight_sync_gpu.py tests/gpu/test_vllm_streaming.py tests/gpu/test_gpu_handover.py \
+      > "$OUT/nccl_tests.log" 2>&1; echo "== GPUs 2,3 tests exit $?" > "$OUT/nccl_rc.txt") &
+    PYTHONPATH=/tmp/site-sglang:$PWD:$PWD/tests RLHF_ORCH_LOG_LEVEL=WARNING CUDA_VISIBLE_DEVICES=0,1 \
+      timeout -k 15 "${SG_TIMEOUT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="-ra" \
+      tests/gpu/test_copysum_gpu.py tests/gpu/test_sglang_engine.py tests/gpu/test_sglang_streaming.py \
+      > "$OUT/sglang_tests.log" 2>&1; echo "== SGLang tests exit $?"; tail -8 "$OUT/sglang_tests.log"
+    wait; cat "$OUT/nccl_rc.txt"; tail -3 "$OUT/nccl_tests.log" ;;
+  *) echo "usage: $0 tp|sg"; exit 2 ;;
+esac
