@@ -6,15 +6,17 @@
 #                                     # this session: RLHF_ORCH_SYNC_HANDOVER=host) then the default, 10 rounds each
 #                                     # against the raw-broadcast floor; 8B with the default; the TP=2 GPU test.
 #                                     # GPU 3 meanwhile: the one-GPU sync and vLLM tests
+#   bash bench/device/round10.sh tp1  # nvidia-h100-x2 (x4 was refused): one TP=1 engine instead, same comparison
 #   bash bench/device/round10.sh sg   # GPUs 0,1: the SGLang GPU tests (item 2, after 21eaf5c); GPUs 2,3 meanwhile:
 #                                     # the two-GPU NCCL sync tests and the streaming vLLM tests
 # Files in $OUT: gpus.txt, one log and one JSON per job, tables.
 set -uo pipefail
 RLHF_ORCH_LOG_LEVEL=INFO; . bench/device/env.sh
 git log -1 --format='code: %h %s' 2>/dev/null; git status --short 2>/dev/null | head -5
-tp_bench() {   # name, model, handover, extra args
-  CUDA_VISIBLE_DEVICES=0,1,2 RLHF_ORCH_SYNC_HANDOVER=$3 timeout -k 15 "${BENCH_TIMEOUT:-150}" python3 bench/weight_sync.py \
-    --engine vllm --models "$2" --placements disaggregated --receivers tp2 --shard-floor --repeats 10 \
+tp_bench() {   # name, model, handover, receivers (tp2: GPUs 0-2; 1: GPUs 0,1)
+  CUDA_VISIBLE_DEVICES=$([ "$4" = tp2 ] && echo 0,1,2 || echo 0,1) RLHF_ORCH_SYNC_HANDOVER=$3 \
+    timeout -k 15 "${BENCH_TIMEOUT:-150}" python3 bench/weight_sync.py \
+    --engine vllm --models "$2" --placements disaggregated --receivers "$4" --shard-floor --repeats 10 \
     --bucket-mb "${BUCKET_MB:-256}" --json "$OUT/$1.json" > "$OUT/$1.log" 2>&1
   echo "== $1 exit $?"; grep -E "^\||Error" "$OUT/$1.log" | tail -6
 }
@@ -23,12 +25,18 @@ case "${1:-}" in
     (CUDA_VISIBLE_DEVICES=3 timeout -k 15 "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/gpu/test_copysum_gpu.py tests/gpu/test_weight_sync_gpu.py tests/gpu/test_vllm_engine.py \
       > "$OUT/gpu3_tests.log" 2>&1; echo "== GPU 3 tests exit $?" > "$OUT/gpu3_rc.txt") &
-    tp_bench tp2_1b_host llama-3.2-1b host
-    tp_bench tp2_1b_device llama-3.2-1b device
-    tp_bench tp2_8b_device llama-3.1-8b device
+    tp_bench tp2_1b_host llama-3.2-1b host tp2
+    tp_bench tp2_1b_device llama-3.2-1b device tp2
+    tp_bench tp2_8b_device llama-3.1-8b device tp2
     CUDA_VISIBLE_DEVICES=0,1,2 timeout -k 15 "${TP_TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/gpu/test_vllm_tp.py > "$OUT/tp_test.log" 2>&1; echo "== tp test exit $?"; tail -3 "$OUT/tp_test.log"
     wait; cat "$OUT/gpu3_rc.txt"; tail -3 "$OUT/gpu3_tests.log" ;;
+  tp1)   # nvidia-h100-x2: one TP=1 engine (GPU 1, sender GPU 0), 1B host then device then host then device, 8B device
+    tp_bench tp1_1b_host_a llama-3.2-1b host 1
+    tp_bench tp1_1b_device_a llama-3.2-1b device 1
+    tp_bench tp1_1b_host_b llama-3.2-1b host 1
+    tp_bench tp1_1b_device_b llama-3.2-1b device 1
+    tp_bench tp1_8b_device llama-3.1-8b device 1 ;;
   sg)
     (CUDA_VISIBLE_DEVICES=2,3 timeout -k 15 "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/gpu/test_weight_sync_gpu.py tests/gpu/test_vllm_streaming.py tests/gpu/test_gpu_handover.py \
@@ -38,5 +46,5 @@ case "${1:-}" in
       tests/gpu/test_copysum_gpu.py tests/gpu/test_sglang_engine.py tests/gpu/test_sglang_streaming.py \
       > "$OUT/sglang_tests.log" 2>&1; echo "== SGLang tests exit $?"; tail -8 "$OUT/sglang_tests.log"
     wait; cat "$OUT/nccl_rc.txt"; tail -3 "$OUT/nccl_tests.log" ;;
-  *) echo "usage: $0 tp|sg"; exit 2 ;;
+  *) echo "usage: $0 tp|tp1|sg"; exit 2 ;;
 esac
