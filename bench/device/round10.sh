@@ -7,6 +7,7 @@
 #                                     # against the raw-broadcast floor; 8B with the default; the TP=2 GPU test.
 #                                     # GPU 3 meanwhile: the one-GPU sync and vLLM tests
 #   bash bench/device/round10.sh tp1  # nvidia-h100-x2 (x4 was refused): one TP=1 engine instead, same comparison
+#   bash bench/device/round10.sh prio # nvidia-h100-x2: the TP=1 comparison with NCCL's stream at normal and high priority
 #   bash bench/device/round10.sh sg   # GPUs 0,1: the SGLang GPU tests (item 2, after 21eaf5c); GPUs 2,3 meanwhile:
 #                                     # the two-GPU NCCL sync tests and the streaming vLLM tests
 # Files in $OUT: gpus.txt, one log and one JSON per job, tables.
@@ -37,6 +38,10 @@ case "${1:-}" in
     tp_bench tp1_1b_host_b llama-3.2-1b host 1
     tp_bench tp1_1b_device_b llama-3.2-1b device 1
     tp_bench tp1_8b_device llama-3.1-8b device 1 ;;
+  prio)  # nvidia-h100-x2: the same TP=1 1B sync, {host, device hand-over} x {NCCL stream normal, high priority}
+    for pr in normal high; do for h in host device; do
+      RLHF_ORCH_SYNC_NCCL_PRIORITY=$pr tp_bench tp1_1b_${h}_$pr llama-3.2-1b $h 1
+    done; done ;;
   sg)
     (CUDA_VISIBLE_DEVICES=2,3 timeout -k 15 "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/gpu/test_weight_sync_gpu.py tests/gpu/test_vllm_streaming.py tests/gpu/test_gpu_handover.py \
