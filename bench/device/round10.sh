@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# On nvidia-h100-x4 (tenth session; issue #32 items 1 and 2, the broadcast receive pipelined two buckets ahead with its
-# checksums on the device, and the sender's broadcast-only checksums on the device). One command per argument, each
+# On nvidia-h100-x4 / x2 (tenth session; issue #32 items 1 and 2). `tp`, `tp1` and `prio` compared, through
+# RLHF_ORCH_SYNC_HANDOVER=host|device, the broadcast sync of 304d1d2 (receives two buckets ahead of the loads, checksums
+# kept on the device on both sides) with the one before it; it did not pay (bench/RESULTS.md) and was reverted, so on
+# later code both values run the same broadcast path. One command per argument, each
 # under the 600 s limit; vLLM + DeepSpeed staged into /tmp/site, SGLang into /tmp/site-sglang for `sg`:
 #   bash bench/device/round10.sh tp   # GPUs 0-2: one TP=2 vLLM engine, 1B, the host hand-over (the code before
 #                                     # this session: RLHF_ORCH_SYNC_HANDOVER=host) then the default, 10 rounds each

@@ -27,7 +27,6 @@ sync, and its checksums are of the engine's parameters even where the engine fus
 """
 from __future__ import annotations
 
-import os
 import time
 import traceback
 from typing import Callable, Sequence
@@ -41,10 +40,6 @@ from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.weight_sync.ipc import HandleCache, IpcHandle, ipc_events, open_event, open_handle
 from rlhf_orch.weight_sync.mailbox import DEVICE, SLOTS, Mailbox, seq_of
 from rlhf_orch.weight_sync.replay import LoadReplay
-
-# Broadcast receive buffers: receives run up to RECV_BUFS - 1 buckets ahead of the loads (`receive_broadcast`). Three
-# cost one bucket more of engine memory than double buffering (256 MiB at the default bucket size).
-RECV_BUFS = 3
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 ChecksumFn = Callable[[list[str]], list[int]]
@@ -85,7 +80,6 @@ class WeightReceiver:
         self.replay = replay
         self.last_sums: dict[str, int] = {}   # the latest verified checksum of every tensor
         self.group: BroadcastGroup | None = None
-        self.host_handover = False     # set from the environment at attach_group
         self.expect_sums = False       # broadcast: the sender follows the buckets with its checksums
         self._bufs: list[torch.Tensor] = []
         self._cache = HandleCache()
@@ -111,14 +105,11 @@ class WeightReceiver:
         return time.perf_counter() - t0
 
     def attach_group(self, group: BroadcastGroup) -> None:
-        """Receive through an existing (warmed-up) group; allocates the receive buffers (RECV_BUFS, or two with the
-        host hand-over: `receive_broadcast`)."""
+        """Receive through an existing (warmed-up) group; allocates the two receive buffers."""
         self.group = group
-        self.host_handover = os.environ.get("RLHF_ORCH_SYNC_HANDOVER", "device") == "host"
         n = max_bucket_bytes(self.layouts)
         # Zeroed once: alignment padding is never written, so it stays identical on every rank.
-        count = 2 if self.host_handover else RECV_BUFS
-        self._bufs = [torch.zeros(n, dtype=torch.uint8, device=self.device) for _ in range(count)]
+        self._bufs = [torch.zeros(n, dtype=torch.uint8, device=self.device) for _ in range(2)]
 
     def _load(self, layout: BucketLayout, buf: torch.Tensor, verify: bool,
               out: torch.Tensor | None = None) -> list[int] | None:
@@ -140,62 +131,44 @@ class WeightReceiver:
         return sums
 
     def receive_broadcast(self, verify: bool = True, sync_id: int = 0) -> tuple[list[int], dict[str, float]]:
-        """Take every bucket of sync `sync_id` from rank 0's broadcasts (0: a sync no abort can end).
-
-        Pipelined (RECV_BUFS buffers): the receives of buckets k + 1 .. k + RECV_BUFS - 1 are posted before bucket k
-        is loaded, and a planned (replayed) load leaves its checksums on the device, so the host waits for no load
-        until the sync's end and the wire never idles behind one. RLHF_ORCH_SYNC_HANDOVER=host (read at
-        `attach_group`) keeps the per-bucket host wait and one receive ahead, as before 2026-11-28 (the benchmark's
-        comparison)."""
+        """Take every bucket of sync `sync_id` from rank 0's broadcasts (0: a sync no abort can end)."""
         if self.group is None:
             raise RuntimeError("receive_broadcast before join_group (or after an aborted sync left the group)")
         t0 = time.perf_counter()
         load_s = 0.0
-        group, check = self.group, checker_for(self.abort_flag, sync_id, "engine")
-        ahead, nbuf = (1, 2) if self.host_handover else (len(self._bufs) - 1, len(self._bufs))
-        n = len(self.layouts)
-        dev = None if self.host_handover or not verify else torch.zeros(self._firsts[-1], dtype=torch.int64,
-                                                                         device=self.device)
         sums: list[int] = []
+        group, check = self.group, checker_for(self.abort_flag, sync_id, "engine")
         want = None
-        works: dict[int, object] = {}
+        work = nxt = None
 
         def post(k: int):
-            # Bucket k's buffer was last read by bucket k - nbuf's load, queued before this post: the collective's
-            # stream waits for the current stream when it is posted.
-            works[k] = group.broadcast(self._bufs[k % nbuf][:self.layouts[k].nbytes], src=0, async_op=True)
+            lay = self.layouts[k]
+            return group.broadcast(self._bufs[k % 2][:lay.nbytes], src=0, async_op=True)
 
         try:
-            for k in range(min(ahead, n)):
-                post(k)
+            work = post(0) if self.layouts else None
             for k, layout in enumerate(self.layouts):
-                if k + ahead < n:
-                    post(k + ahead)
-                group.wait(works.pop(k), check)
+                # The next bucket is posted before this one is waited for, so the wire never waits for this host.
+                # Its buffer was last read by bucket k - 1's load, queued before this post: the collective's stream
+                # waits for the current stream when it is posted.
+                nxt = post(k + 1) if k + 1 < len(self.layouts) else None
+                group.wait(work, check)
                 t1 = time.perf_counter()
-                first = self._firsts[k]
-                out = None if dev is None else dev[first:self._firsts[k + 1]]
-                got = self._load(layout, self._bufs[k % nbuf], verify, out)
-                if got and dev is not None:
-                    out.copy_(torch.tensor(got, dtype=torch.int64))   # the engine's loader: sums on the host
-                elif got:
-                    sums.extend(got)
+                sums.extend(self._load(layout, self._bufs[k % 2], verify))
                 load_s += time.perf_counter() - t1
+                work, nxt = nxt, None
             if self.expect_sums:
                 # Rank 0 sends its checksums after the last bucket (always, so every rank's collectives match).
                 want = torch.zeros(self._firsts[-1], dtype=torch.int64, device=self.device)
                 group.wait(group.broadcast(want, src=0, async_op=True), check)
             group.synchronize(check)
         except BaseException as e:
-            busy = any(not w.is_completed() for w in works.values())
-            works.clear()   # pending works hold the group's sockets open
+            busy = any(w is not None and not w.is_completed() for w in (work, nxt))
+            work = nxt = None   # pending works hold the group's sockets open
             traceback.clear_frames(e.__traceback__)
             self.group = None
             group.abandon(busy)   # its collectives are out of step with the sender's now
             raise
-        if dev is not None:
-            sums = dev.tolist()
-            self.last_sums.update(zip(self._names, sums))
         if want is not None and verify:
             self._compare(sums, want.tolist(), 0, "broadcast")
         return sums, {"load_s": load_s, "total_s": time.perf_counter() - t0}

@@ -24,10 +24,8 @@ follows the last broadcast bucket with its checksums so broadcast receivers veri
 On CUDA, when every ipc engine of the rank streams, a sync hands buckets over through shared CUDA events
 (mailbox.py, "GPU hand-over"): the pack's checksums stay in a device tensor, our event per buffer says when a pack is
 done and the engine's when its load from that buffer is, so this host never waits for its own GPU per bucket, only
-(by polling) for the engine's load of a buffer it is about to refill. With broadcast engines only, the packs'
-checksums stay on the device too and are broadcast from there right behind the last bucket, so no bucket waits for
-the host. RLHF_ORCH_SYNC_HANDOVER=host keeps the per-bucket host hand-over (`gpu_handover`, which the benchmark
-flips per round to compare the two; for broadcast, read once: `host_handover`, and by the receivers too). A source whose
+(by polling) for the engine's load of a buffer it is about to refill. RLHF_ORCH_SYNC_HANDOVER=host keeps the
+per-bucket host hand-over (`gpu_handover`, which the benchmark flips per round to compare the two). A source whose
 memory is freed after its bucket (ZeRO-3's gathers) must be kept until the pack is done: the trainer's iterator
 synchronises before it frees a gathered group.
 A sync that another member aborts (abort.py) ends at this side's next wait with `SyncAborted`. Whatever ends a sync
@@ -86,8 +84,7 @@ class WeightSender:
         self._dtypes: dict[int, list[torch.dtype]] = {}
         self.active = bool(self.ipc_engines) or group is not None
         # GPU hand-over with streaming engines (module doc); the benchmark flips it between rounds.
-        self.host_handover = os.environ.get("RLHF_ORCH_SYNC_HANDOVER", "device") == "host"
-        self.gpu_handover = device.type == "cuda" and not self.host_handover
+        self.gpu_handover = device.type == "cuda" and os.environ.get("RLHF_ORCH_SYNC_HANDOVER", "device") != "host"
         self._events: list[torch.cuda.Event] | None = None     # ours, one per slot: "bucket packed"
         self._event_handles: list[bytes] = []
         self._peer_events: dict[str, list[torch.cuda.Event]] = {}   # each stream engine's: "slot loaded"
@@ -241,8 +238,7 @@ class WeightSender:
         stream = torch.cuda.current_stream(self.device) if on_device else None
         what = "{} loading bucket {} (its event)"
         dev_sums = None
-        # Broadcast only: the packs' sums stay on the device too (no host wait per bucket), and go out from there.
-        if self.verify and (on_device or (not self.host_handover and not self.ipc_engines)):
+        if on_device and self.verify:
             dev_sums = torch.zeros(sum(len(lay.slots) for lay in self.layouts), dtype=torch.int64, device=self.device)
         for box in self.mailboxes.values():
             box.begin(DEVICE if on_device else HOST)
@@ -283,11 +279,11 @@ class WeightSender:
             # exactly one bucket at a time), so batching is safe and saves a launch per tensor.
             srcs = [_pull(it, s) for s in layout.slots]
             sums: list[int] = []
-            if dev_sums is not None:
-                self._pack_and_sum(layout, slot, srcs, out=dev_sums[first:first + len(layout.slots)])
-            elif on_device:
-                torch._foreach_copy_(self._slot_views(layout, slot), srcs, non_blocking=True)
             if on_device:
+                if dev_sums is not None:
+                    self._pack_and_sum(layout, slot, srcs, out=dev_sums[first:first + len(layout.slots)])
+                else:
+                    torch._foreach_copy_(self._slot_views(layout, slot), srcs, non_blocking=True)
                 self._events[slot].record(stream)   # the engine polls this before it loads the buffer
             elif self.verify:
                 sums = self._pack_and_sum(layout, slot, srcs)   # its host read also waits for the copies
@@ -310,34 +306,21 @@ class WeightSender:
                 else:
                     pending[slot].append(("ipc", engine, deliver(engine, self._handles[slot], layout.index, version)))
             first += len(layout.slots)
-        _none_left(it)
-        sums_work = None
-
-        def send_sums():
-            # Broadcast engines compare each tensor with these before they resume (receiver.py). Sent from the
-            # device where the packs left them; with broadcast engines only, queued right behind the last bucket.
-            # With ipc engines too, only once they have all acknowledged: a sync that fails there must not end
-            # as a success on the broadcast side (rank 0 leaves the group instead, `send`).
-            sums_t = dev_sums if dev_sums is not None else torch.tensor(res.checksums, dtype=torch.int64,
-                                                                        device=self.device)
-            return self.group.broadcast(sums_t, src=0, async_op=True)
-
-        if self.bcast_sums and not self.ipc_engines:
-            sums_work = send_sums()
         n = len(self.layouts)     # oldest in-flight bucket first, so acks stay in layout order
         for k in range(SLOTS):
             drain((n + k) % SLOTS)
-        if self.bcast_sums and sums_work is None:
-            sums_work = send_sums()
-        if dev_sums is not None:
-            t0 = time.perf_counter()
-            res.checksums = dev_sums.tolist()   # the one host wait for our packs
-            res.pack_s += time.perf_counter() - t0
+        _none_left(it)
         if on_device:
+            t0 = time.perf_counter()
+            if dev_sums is not None:
+                res.checksums = dev_sums.tolist()   # the one host wait for our packs
+            res.pack_s += time.perf_counter() - t0
             for box in self.mailboxes.values():
                 box.publish_final(seq_of(sync_id, len(self.layouts)), res.checksums)
-        if sums_work is not None:
-            self.group.wait(sums_work, check)
+        if self.bcast_sums:
+            # Broadcast engines compare each tensor with these before they resume (receiver.py).
+            sums_t = torch.tensor(res.checksums, dtype=torch.int64, device=self.device)
+            self.group.wait(self.group.broadcast(sums_t, src=0, async_op=True), check)
         self._sync_device(check)
         res.total_s = time.perf_counter() - t_start
         return res
