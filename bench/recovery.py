@@ -1,7 +1,8 @@
 """Seconds from a SIGKILL to the next completed step, per victim kind, and how each was recovered (issue #34).
 
     python bench/recovery.py                                  # CPU: configs/tiny_cpu.yaml, 30 steps, 6 victims
-    python bench/recovery.py --config configs/vllm_coloc_1gpu.yaml experiment.steps=40   # one GPU
+    python bench/recovery.py --config configs/vllm_coloc_1gpu.yaml --victims=-reward-0:4,-weight-sync:8,-engine-v:12,\
+-rollouts:16,-trainer-0:20 reference.placement=colocated   # one GPU: one trainer rank, engine "v"
 
 One run of launch.py's whole loop in this process. A thread SIGKILLs each victim in turn (an actor-name suffix, once
 metrics.jsonl has `step` lines; a restart truncates it to its checkpoint, so each kill lands in the segment after the
@@ -102,10 +103,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "configs/tiny_cpu.yaml"))
     p.add_argument("--workdir", default=None, help="where the run goes (default: a temporary folder)")
+    p.add_argument("--victims", default=None, metavar="SUFFIX:STEP,...",
+                   help="actor-name suffixes to kill in turn, each once metrics.jsonl has STEP lines; give it with "
+                        "'=' (the suffixes start with '-'). Default: "
+                        + ",".join(f"{v}:{s}" for v, s in VICTIMS))
     args, overrides = p.parse_known_args(argv)
+    try:
+        victims = VICTIMS if args.victims is None else [(v.rsplit(":", 1)[0], int(v.rsplit(":", 1)[1]))
+                                                        for v in args.victims.split(",")]
+    except (IndexError, ValueError):
+        p.error(f"--victims takes SUFFIX:STEP pairs, e.g. -reward-0:4; got {args.victims}")
     out = Path(args.workdir or tempfile.mkdtemp(prefix="recovery_"))
     info: list = []
-    killer = kill_in_turn(out / "recovery", VICTIMS, info)
+    killer = kill_in_turn(out / "recovery", victims, info)
     rc = launch.main(["--config", args.config, f"experiment.output_dir={out}", "experiment.name=recovery",
                       "experiment.steps=30", "trainer.checkpoint_every=3", "fault_tolerance.max_run_restarts=3",
                       "reference.placement=separate", "reference.num_workers=2", "metrics.trackers=[jsonl]",

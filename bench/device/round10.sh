@@ -10,6 +10,7 @@
 #                                     # GPU 3 meanwhile: the one-GPU sync and vLLM tests
 #   bash bench/device/round10.sh tp1  # nvidia-h100-x2 (x4 was refused): one TP=1 engine instead, same comparison
 #   bash bench/device/round10.sh prio # nvidia-h100-x2: the TP=1 comparison with NCCL's stream at normal and high priority
+#   bash bench/device/round10.sh recovery  # nvidia-h100-x1: bench/recovery.py with vLLM on one GPU (issue #34)
 #   bash bench/device/round10.sh sg   # GPUs 0,1: the SGLang GPU tests (item 2, after 21eaf5c); GPUs 2,3 meanwhile:
 #                                     # the two-GPU NCCL sync tests and the streaming vLLM tests
 # Files in $OUT: gpus.txt, one log and one JSON per job, tables.
@@ -44,6 +45,13 @@ case "${1:-}" in
     for pr in normal high; do for h in host device; do
       RLHF_ORCH_SYNC_NCCL_PRIORITY=$pr tp_bench tp1_1b_${h}_$pr llama-3.2-1b $h 1
     done; done ;;
+  recovery)   # nvidia-h100-x1: issue #34's benchmark with one DeepSpeed rank and one colocated vLLM engine (GPU 0)
+    CUDA_VISIBLE_DEVICES=0 timeout -k 20 "${RECOVERY_TIMEOUT:-540}" python3 bench/recovery.py \
+      --config configs/vllm_coloc_1gpu.yaml --workdir /tmp/recovery \
+      --victims=-reward-0:4,-weight-sync:8,-engine-v:12,-rollouts:16,-trainer-0:20 \
+      reference.placement=colocated fault_tolerance.step_snapshots=true > "$OUT/recovery.log" 2>&1
+    echo "== recovery exit $?"; keep recovery /tmp/recovery/recovery
+    sed -n '/^## bench\/recovery.py/,$p' "$OUT/recovery.log"; grep -E "Traceback|Error" "$OUT/recovery.log" | tail -5 ;;
   sg)
     (CUDA_VISIBLE_DEVICES=2,3 timeout -k 15 "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/gpu/test_weight_sync_gpu.py tests/gpu/test_vllm_streaming.py tests/gpu/test_gpu_handover.py \
@@ -53,5 +61,5 @@ case "${1:-}" in
       tests/gpu/test_copysum_gpu.py tests/gpu/test_sglang_engine.py tests/gpu/test_sglang_streaming.py \
       > "$OUT/sglang_tests.log" 2>&1; echo "== SGLang tests exit $?"; tail -8 "$OUT/sglang_tests.log"
     wait; cat "$OUT/nccl_rc.txt"; tail -3 "$OUT/nccl_tests.log" ;;
-  *) echo "usage: $0 tp|tp1|sg"; exit 2 ;;
+  *) echo "usage: $0 tp|tp1|prio|recovery|sg"; exit 2 ;;
 esac
