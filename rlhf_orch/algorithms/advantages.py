@@ -283,23 +283,27 @@ def gae_advantages(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: f
 
 @torch.no_grad()
 def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
-    """REINFORCE++'s discounted returns (the loop in verl's
-    compute_reinforce_plus_plus_outcome_advantage).
+    """REINFORCE++'s discounted returns (the loop in verl's compute_reinforce_plus_plus_outcome_advantage),
+    carried through the holes of the mask.
 
-    Shapes: token_rewards, mask [B, T] -> returns [B, T] float32, zero outside the mask. Backwards
-    over t from G = 0: G <- r_t + gamma * G; returns_t = G; then G <- G * mask_t. So a masked
-    position RESETS the running return (verl's "reset after EOS"): a response token sees no reward
-    from beyond the next masked position (unlike `gae_advantages`, which skips masked positions).
+    Shapes: token_rewards, mask [B, T] -> returns [B, T] float32, zero outside the mask. Backwards over t from
+    G = 0: G <- r_t + g_t * G, returns_t = G, with g_t = gamma on a mask token and 1 on a masked one. So a masked
+    position passes the running return on undiscounted: in a multi-turn trajectory the model's tokens before an
+    observation (tool output, environment message: in the context, never trained) keep the credit of the reward
+    that comes after it, discounted only by the model tokens in between, as `gae_advantages` skips masked positions.
+    (verl's loop resets G at every masked position instead, which cuts that credit; the two agree on masks without
+    holes, whose masked positions all lie before the first or after the last mask token and carry no reward: every
+    single-turn batch, bit for bit.)
     """
     _check_token_shapes("discounted_returns", mask, token_rewards)
     r = token_rewards.detach().float()
     m = mask.detach().float()
+    g = torch.where(m != 0, torch.full_like(m, gamma), torch.ones_like(m))
     returns = torch.zeros_like(r)
     running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
     for t in reversed(range(r.shape[1])):
-        running = r[:, t] + gamma * running
+        running = r[:, t] + g[:, t] * running
         returns[:, t] = running
-        running = running * m[:, t]
     return torch.where(m != 0, returns, torch.zeros_like(returns))
 
 

@@ -125,14 +125,28 @@ def test_gae_matches_verl_loop_on_response_only_layout():
 
 # ----------------------------------------------------------------------------- REINFORCE++
 
-def test_discounted_returns_and_reset_at_masked_positions():
+def test_discounted_returns_carry_through_holes_in_the_mask():
     # gamma 0.9. Row 0: response t=1..3, reward 1 on t=3 -> G = [0, 0.81, 0.9, 1, 0]
     # Row 1: response t=2..4, reward 2 on t=4 -> [0, 0, 1.62, 1.8, 2]
-    # Row 2: mask [1,1,0,1,0], reward 1 on t=3: t=3 G=1; t=2 (masked) G = 0.9 then reset to 0;
-    #        t=1: G = 0; t=0: 0 -> [0, 0, 0, 1, 0]: verl's "reset after EOS" (GAE skips instead)
-    rewards = torch.tensor([[0.0, 0, 0, 1, 0], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0]])
-    mask = torch.tensor([[0.0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [1, 1, 0, 1, 0]])
-    close(discounted_returns(rewards, mask, 0.9), [[0, 0.81, 0.9, 1, 0], [0, 0, 1.62, 1.8, 2], [0, 0, 0, 1, 0]])
+    # Row 2: mask [1,1,0,1,0] (a one-token observation at t=2), reward 1 on t=3: t=3 G = 1; t=2 (masked) G = 1,
+    #        passed on undiscounted; t=1 G = 0.9; t=0 G = 0.81 -> [0.81, 0.9, 0, 1, 0]. (verl's loop resets G at t=2
+    #        and gives [0, 0, 0, 1, 0]: the turn before the observation would get no credit.)
+    # Row 3: two turns around a three-token observation, a KL-like reward -0.1 on t=0 and the outcome 2 on t=6:
+    #        mask [1,1,0,0,0,1,1]: t=6 G = 2; t=5 G = 1.8; t=4..2 G = 1.8; t=1 G = 1.62; t=0 G = -0.1 + 1.458 = 1.358
+    rewards = torch.tensor([[0.0, 0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 2, 0, 0], [0, 0, 0, 1, 0, 0, 0],
+                            [-0.1, 0, 0, 0, 0, 0, 2]])
+    mask = torch.tensor([[0.0, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 0, 0], [1, 1, 0, 1, 0, 0, 0], [1, 1, 0, 0, 0, 1, 1]])
+    close(discounted_returns(rewards, mask, 0.9), [[0, 0.81, 0.9, 1, 0, 0, 0], [0, 0, 1.62, 1.8, 2, 0, 0],
+                                                   [0.81, 0.9, 0, 1, 0, 0, 0], [1.358, 1.62, 0, 0, 0, 1.8, 2]])
+    # Without holes the carry changes nothing, bit for bit: verl's resetting loop on rows 0 and 1
+    want = torch.zeros(2, 7)
+    running = torch.zeros(2)
+    for t in reversed(range(7)):
+        running = rewards[:2, t] + 0.9 * running
+        want[:, t] = running
+        running = running * mask[:2, t]
+    want = torch.where(mask[:2] != 0, want, torch.zeros_like(want))
+    assert torch.equal(discounted_returns(rewards[:2], mask[:2], 0.9), want)
 
 
 def test_reinforce_pp_returns_whitened_over_tokens():
