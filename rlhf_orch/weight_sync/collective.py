@@ -74,8 +74,9 @@ class BroadcastGroup:
         elif backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            # Under test (tenth session): NCCL's kernels on a high-priority stream, so the block scheduler gives them
-            # SMs before the pack's and load's copy kernels that run beside every bucket's broadcast.
+            # Opt-in, not shown to pay (bench/RESULTS.md, tenth session: 1B 9.5 against 10.0 ms, one process each,
+            # within the spread between processes): NCCL's kernels on a high-priority stream, so the block scheduler
+            # gives them SMs before the pack's and load's copy kernels that run beside every bucket's broadcast.
             opts.is_high_priority_stream = os.environ.get("RLHF_ORCH_SYNC_NCCL_PRIORITY", "normal") == "high"
             torch.cuda.set_device(self.device)
             self.pg = dist.ProcessGroupNCCL(self._store, rank, world_size, opts)
