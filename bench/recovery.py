@@ -115,11 +115,12 @@ def main(argv=None) -> int:
         p.error(f"--victims takes SUFFIX:STEP pairs, e.g. -reward-0:4; got {args.victims}")
     out = Path(args.workdir or tempfile.mkdtemp(prefix="recovery_"))
     info: list = []
+    # The default victims include a separate reference's worker; a --victims list brings its own placement.
+    reference = ["reference.placement=separate", "reference.num_workers=2"] if args.victims is None else []
     killer = kill_in_turn(out / "recovery", victims, info)
     rc = launch.main(["--config", args.config, f"experiment.output_dir={out}", "experiment.name=recovery",
                       "experiment.steps=30", "trainer.checkpoint_every=3", "fault_tolerance.max_run_restarts=3",
-                      "reference.placement=separate", "reference.num_workers=2", "metrics.trackers=[jsonl]",
-                      "metrics.plots=false", *overrides])
+                      *reference, "metrics.trackers=[jsonl]", "metrics.plots=false", *overrides])
     killer.join(timeout=5)
     summary = json.loads((out / "recovery" / "summary.json").read_text())
     print(f"\n## bench/recovery.py ({time.strftime('%Y-%m-%d')}, {args.config}, rc {rc})\n\nkills: "
