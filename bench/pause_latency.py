@@ -16,11 +16,18 @@ request at its end, what rollout.final_outputs asks for). The pause is the runne
 engine core's pause, no drain; `resume()` drains) and is split into: loop lag (until our coroutine runs on the
 runner's event loop), the engine core's pause, and the outputs still queued from the engine when it returned.
 `resume_s` includes the drain.
-Prints a markdown table (median and max) and writes it to --out.
+Prints a markdown table (median and max) and writes it to --out. `--sample-stacks` (vLLM): during each abort pause a
+thread samples every other thread's innermost frames every 2 ms (sys._current_frames; it needs the GIL too, so a
+long gap between samples is a C call that held it) from the pause's call until the aborted generate call has
+returned its rows, and the table is followed by the stacks seen most while the pausing thread waited after the
+engine core had paused (the `return` part) and the longest gaps.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import json
+import os
 import random
 import statistics
 import sys
@@ -35,6 +42,49 @@ sys.path.insert(0, str(ROOT))
 def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(4, vocab) for _ in range(32)] for _ in range(n)]
+
+
+class StackSampler:
+    """Every `every_s`, the innermost `depth` frames of every thread but this one, with the time and thread name."""
+
+    def __init__(self, every_s: float = 0.002, depth: int = 4):
+        self.every_s, self.depth, self.samples = every_s, depth, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            names = {th.ident: th.name for th in threading.enumerate()}
+            for tid, f in sys._current_frames().items():
+                if tid == me:
+                    continue
+                stack = []
+                while f is not None and len(stack) < self.depth:
+                    stack.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} {f.f_code.co_name}")
+                    f = f.f_back
+                self.samples.append((t, names.get(tid, str(tid)), " < ".join(stack)))
+            time.sleep(self.every_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def report(self, t0: float, t1: float, top: int = 6) -> dict:
+        """The most frequent (thread, stack) pairs sampled in [t0, t1] and the longest gaps between samples there."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        times = sorted({s[0] for s in inside})
+        gaps = sorted((b - a for a, b in zip(times, times[1:])), reverse=True)[:3]
+        counts = collections.Counter((name, stack) for _, name, stack in inside
+                                     if not any(w in stack for w in ("wait (threading", "select (selectors",
+                                                                     "_worker (thread")))
+        return {"window_ms": 1e3 * (t1 - t0), "looks": len(times), "gaps_ms": [round(1e3 * g, 1) for g in gaps],
+                "top": [(n, name, stack) for (name, stack), n in counts.most_common(top)]}
 
 
 class Vllm:
@@ -53,6 +103,7 @@ class Vllm:
                                       gpu_memory_utilization=args.gpu_mem, max_model_len=args.max_tokens + 64,
                                       max_num_seqs=max(max(args.running), 1))
         self.runner.weight_version = 0
+        self.sample_stacks, self.stacks = args.sample_stacks, []
 
     def start(self, n: int, args, variant: str):
         from vllm import SamplingParams
@@ -63,15 +114,27 @@ class Vllm:
             sp.output_kind = RequestOutputKind.FINAL_ONLY
         out: dict = {}
         prompts = _prompts(n, self.vocab, args.seed + n)
-        t = threading.Thread(target=lambda: out.update(rows=self.runner.generate(prompts, sp)), daemon=True)
+        t = threading.Thread(target=lambda: out.update(rows=self.runner.generate(prompts, sp),
+                                                       t_rows=time.perf_counter()), daemon=True)
         t.start()
         return t, out
 
-    def pause(self, mode: str) -> dict:
+    def pause(self, mode: str, job=None) -> dict:
         r = self.runner
+        sampler = StackSampler() if job is not None and self.sample_stacks else None
+        if sampler:
+            sampler.__enter__()
         t0 = time.perf_counter()
         r.pause(mode)
-        m = {"pause_s": time.perf_counter() - t0, "loop_lag_s": r.last_pause["loop_lag_s"],
+        t_back = time.perf_counter()
+        if sampler:   # until the aborted call has its rows (decoded) back in its thread
+            job[0].join(600)
+            sampler.__exit__(None)
+            t_core = t_back - r.last_pause["return_s"]
+            self.stacks.append({"return_window": sampler.report(t_core, t_back),
+                                "after_return": sampler.report(t_back, job[1].get("t_rows", t_back)),
+                                "rows_after_return_ms": 1e3 * (job[1].get("t_rows", t_back) - t_back)})
+        m = {"pause_s": t_back - t0, "loop_lag_s": r.last_pause["loop_lag_s"],
              "engine_s": r.last_pause["core_s"], "return_s": r.last_pause["return_s"]}
         q = getattr(r._llm.engine_core, "outputs_queue", None)
         m["queued"] = q.qsize() if q is not None else -1
@@ -134,7 +197,9 @@ def measure(eng, args) -> list[dict]:
             for v in (abort_variants if k % 2 == 0 else abort_variants[::-1]):
                 job = eng.start(n, args, v) if n else None
                 time.sleep(args.warm_s if n else 0.1)
-                m = eng.pause("abort")
+                m = eng.pause("abort", job) if args.engine == "vllm" else eng.pause("abort")
+                if getattr(eng, "stacks", None) and "running" not in eng.stacks[-1]:
+                    eng.stacks[-1].update(running=n, variant=v)
                 if job is not None:
                     job[0].join(600)
                     m["aborted"] = sum(r[5] == "abort" if isinstance(r, tuple) else r.finish_reason == "abort"
@@ -171,6 +236,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gap-s", type=float, default=0.5, help="decoding between two keep pauses")
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sample-stacks", action="store_true", help="vLLM: what every thread does during abort pauses")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     eng = Vllm(args) if args.engine == "vllm" else Hf(args)
@@ -179,6 +245,9 @@ def main(argv=None) -> int:
     finally:
         eng.close()
     text = table(rows, args)
+    if getattr(eng, "stacks", None):
+        text += "\n\nStacks during abort pauses (in measurement order):\n" + "\n".join(
+            json.dumps(st) for st in eng.stacks)
     print(text)
     if args.out:
         Path(args.out).write_text(f"`python bench/pause_latency.py {' '.join(argv or sys.argv[1:])}`\n\n{text}\n")
