@@ -11,8 +11,11 @@ For each count of running requests (each one prompt, n=1, ignore_eos, long respo
 vLLM is measured with and without vLLM's incremental detokenization (interleaved: each running count starts one
 set per variant, which goes first alternates): "detok" (vLLM detokenizes every token in its output processing, on
 the runner's event loop, as before this round) and "end" (`detokenize=False`, the text decoded once per sample at
-the end: what StreamingVLLMEngine asks for by default); abort rounds also run "final" (FINAL_ONLY: one output per
-request at its end, what rollout.final_outputs asks for). The pause is the runner's own (`AsyncVLLMRunner.pause`: the
+the end), and "flat" ("end" with `flat_logprobs=True`: vLLM keeps a request's logprobs in flat lists instead of a
+dict and a Logprob object per token; what StreamingVLLMEngine asks for since the eleventh session); abort rounds
+also run "final" (FINAL_ONLY, flat: one output per request at its end, what rollout.final_outputs asks for). Every
+garbage collection of this process is timed (gc.callbacks): the `gc` column is the collections' time inside each
+pause, and the collections of each generation are summed up after the table. The pause is the runner's own (`AsyncVLLMRunner.pause`: the
 engine core's pause, no drain; `resume()` drains) and is split into: loop lag (until our coroutine runs on the
 runner's event loop), the engine core's pause, and the outputs still queued from the engine when it returned.
 `resume_s` includes the drain.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import os
 import random
@@ -42,6 +46,36 @@ sys.path.insert(0, str(ROOT))
 def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(4, vocab) for _ in range(32)] for _ in range(n)]
+
+
+class GcClock:
+    """Times every garbage collection of this process (gc.callbacks: a start and a stop per collection)."""
+
+    def __init__(self):
+        self.spans: list[tuple[float, float, int]] = []
+        self._t = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.spans.append((self._t, time.perf_counter(), info["generation"]))
+
+    def within(self, t0: float, t1: float) -> float:
+        return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b, _ in self.spans)
+
+    def summary(self) -> str:
+        lines = []
+        for g in (0, 1, 2):
+            d = [b - a for a, b, gen in self.spans if gen == g]
+            if d:
+                lines.append(f"generation {g}: {len(d)} collections, {1e3 * sum(d):.0f} ms in all, median "
+                             f"{1e3 * statistics.median(d):.2f} ms, max {1e3 * max(d):.1f} ms")
+        return "\n".join(lines)
+
+
+GC = GcClock()
 
 
 class StackSampler:
@@ -101,7 +135,7 @@ class Vllm:
         self.vocab = len(tok)
         self.runner = AsyncVLLMRunner(str(path), load_format="dummy", dtype="bfloat16", seed=0,
                                       gpu_memory_utilization=args.gpu_mem, max_model_len=args.max_tokens + 64,
-                                      max_num_seqs=max(max(args.running), 1))
+                                      max_num_seqs=max(max(args.running), 1), gc_freeze=not args.no_gc_freeze)
         self.runner.weight_version = 0
         self.sample_stacks, self.stacks = args.sample_stacks, []
 
@@ -109,7 +143,7 @@ class Vllm:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         sp = SamplingParams(n=1, temperature=1.0, max_tokens=args.max_tokens, logprobs=0, ignore_eos=True,
-                            detokenize=variant == "detok")
+                            detokenize=variant == "detok", flat_logprobs=variant in ("flat", "final"))
         if variant == "final":   # one output per request at its end (no keep pause allowed)
             sp.output_kind = RequestOutputKind.FINAL_ONLY
         out: dict = {}
@@ -134,7 +168,7 @@ class Vllm:
             self.stacks.append({"return_window": sampler.report(t_core, t_back),
                                 "after_return": sampler.report(t_back, job[1].get("t_rows", t_back)),
                                 "rows_after_return_ms": 1e3 * (job[1].get("t_rows", t_back) - t_back)})
-        m = {"pause_s": t_back - t0, "loop_lag_s": r.last_pause["loop_lag_s"],
+        m = {"pause_s": t_back - t0, "gc_s": GC.within(t0, t_back), "loop_lag_s": r.last_pause["loop_lag_s"],
              "engine_s": r.last_pause["core_s"], "return_s": r.last_pause["return_s"]}
         q = getattr(r._llm.engine_core, "outputs_queue", None)
         m["queued"] = q.qsize() if q is not None else -1
@@ -180,7 +214,7 @@ class Hf:
 
 def measure(eng, args) -> list[dict]:
     rows = []
-    variants = ["end", "detok"] if args.engine == "vllm" else ["-"]
+    variants = ["end", "flat", "detok"] if args.engine == "vllm" else ["-"]
     # FINAL_ONLY requests refuse a keep pause: abort rounds only
     abort_variants = variants + ["final"] if args.engine == "vllm" else variants
     for j, n in enumerate(args.running):
@@ -210,7 +244,8 @@ def measure(eng, args) -> list[dict]:
 
 
 def table(rows: list[dict], args) -> str:
-    keys = ["pause_s", "loop_lag_s", "engine_s", "return_s", "resume_s"] if args.engine == "vllm" else ["pause_s", "resume_s"]
+    keys = (["pause_s", "gc_s", "loop_lag_s", "engine_s", "return_s", "resume_s"] if args.engine == "vllm"
+            else ["pause_s", "resume_s"])
     lines = ["| running | mode | text | n | " + " | ".join(f"{k} median (max)" for k in keys) +
              (" | queued at return (median) |" if args.engine == "vllm" else " |"),
              "|" + "---|" * (len(keys) + 4 + (args.engine == "vllm"))]
@@ -236,6 +271,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gap-s", type=float, default=0.5, help="decoding between two keep pauses")
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-gc-freeze", action="store_true", help="vLLM: leave the runner's objects to the collector")
     ap.add_argument("--sample-stacks", action="store_true", help="vLLM: what every thread does during abort pauses")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -244,7 +280,7 @@ def main(argv=None) -> int:
         rows = measure(eng, args)
     finally:
         eng.close()
-    text = table(rows, args)
+    text = table(rows, args) + "\n\nGarbage collections in this process:\n" + GC.summary()
     if getattr(eng, "stacks", None):
         text += "\n\nStacks during abort pauses (in measurement order):\n" + "\n".join(
             json.dumps(st) for st in eng.stacks)

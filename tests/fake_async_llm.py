@@ -26,7 +26,8 @@ class RequestOutputKind(enum.Enum):
 
 class FakeSamplingParams:
     def __init__(self, n: int = 1, max_tokens: int = 16, logprobs: int | None = 0, detokenize: bool = True,
-                 skip_special_tokens: bool = True, **_: Any):
+                 skip_special_tokens: bool = True, flat_logprobs: bool = False, **_: Any):
+        self.flat_logprobs = flat_logprobs
         self.n = n
         self.max_tokens = max_tokens
         self.logprobs = logprobs
@@ -35,7 +36,8 @@ class FakeSamplingParams:
         self.output_kind = RequestOutputKind.CUMULATIVE
 
     def clone(self) -> "FakeSamplingParams":
-        c = FakeSamplingParams(self.n, self.max_tokens, self.logprobs, self.detokenize, self.skip_special_tokens)
+        c = FakeSamplingParams(self.n, self.max_tokens, self.logprobs, self.detokenize, self.skip_special_tokens,
+                               self.flat_logprobs)
         c.output_kind = self.output_kind
         return c
 
@@ -70,6 +72,41 @@ class Logprob:
     logprob: float
     rank: int = 1
     decoded_token: str | None = None
+
+
+@dataclass
+class FlatLogprobs:
+    """What `SamplingParams.flat_logprobs=True` gives instead of a dict per position (vllm/logprobs.py:30-150): per
+    position a [start, end) range of flat lists, the sampled token first. `rivals` puts a second token after it at
+    every position (as logprobs=k > 0 would), so a reader that takes the range's first entry is checked."""
+    start_indices: list[int] = field(default_factory=list)
+    end_indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, positions: list[dict[int, "Logprob"]], rivals: bool = True) -> "FlatLogprobs":
+        flat = cls()
+        for pos in positions:
+            flat.start_indices.append(len(flat.logprobs))
+            for t, l in pos.items():
+                flat.token_ids.append(t)
+                flat.logprobs.append(l.logprob)
+                if rivals:
+                    flat.token_ids.append(t + 1)
+                    flat.logprobs.append(l.logprob - 1.0)
+            flat.end_indices.append(len(flat.logprobs))
+        return flat
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+
+def as_sent(sp, positions: list[dict[int, "Logprob"]] | None):
+    """An output's logprobs as vLLM sends them for these params: None, a dict list, or FlatLogprobs."""
+    if positions is None or not getattr(sp, "flat_logprobs", False):
+        return positions
+    return FlatLogprobs.of(positions)
 
 
 @dataclass
@@ -179,7 +216,8 @@ class FakeAsyncLLM:
             ids = [next(iter(pos)) for pos in c.logprobs]
             lps = list(c.logprobs) if req.sp.logprobs is not None else None
             text = "".join(txt(t) for t in ids) if req.sp.detokenize else ""
-            outs.append(CompletionOutput(c.idx, text, ids, None, lps, "abort" if c.idx in aborted else "length"))
+            outs.append(CompletionOutput(c.idx, text, ids, None, as_sent(req.sp, lps),
+                                         "abort" if c.idx in aborted else "length"))
         return RequestOutput(req.rid, outs, True)
 
     def _step(self, req: _Req) -> RequestOutput | None:
@@ -197,7 +235,8 @@ class FakeAsyncLLM:
             c.done = c.n_tokens >= req.sp.max_tokens
             delta = c.logprobs[-k:] if req.sp.logprobs is not None else None
             text = "".join(txt(t) for t in ids) if req.sp.detokenize else ""
-            outs.append(CompletionOutput(c.idx, text, ids, None, delta, "length" if c.done else None))
+            outs.append(CompletionOutput(c.idx, text, ids, None, as_sent(req.sp, delta),
+                                         "length" if c.done else None))
         if not outs:
             return None
         return RequestOutput(req.rid, outs, all(c.done for c in req.children))
@@ -219,7 +258,7 @@ class FakeAsyncLLM:
                 ids, delta = [t], c.logprobs[-1:]
             text = "".join(txt(t) for t in ids) if req.sp.detokenize else ""
             lps = (delta + c.logprobs[-0:]) if req.sp.logprobs is not None else None
-            outs.append(CompletionOutput(c.idx, text, ids, None, lps, "abort"))
+            outs.append(CompletionOutput(c.idx, text, ids, None, as_sent(req.sp, lps), "abort"))
         if req.inflight:
             req.inflight = False
             self.engine_core.outputs_queue.get_nowait()

@@ -28,6 +28,7 @@ references this is built on. vLLM is imported lazily.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -79,8 +80,12 @@ def decode_many(tok, ids: list[list[int]], skip_special_tokens: bool) -> list[st
 
 class AsyncVLLMRunner:
     def __init__(self, model: str, *, start_timeout_s: float = 1800.0, drain_timeout_s: float = 10.0,
-                 **engine_kwargs: Any):
-        """`engine_kwargs`: what VLLMEngine passes to `LLM(...)` (all are EngineArgs fields)."""
+                 gc_freeze: bool = True, **engine_kwargs: Any):
+        """`engine_kwargs`: what VLLMEngine passes to `LLM(...)` (all are EngineArgs fields). `gc_freeze`: once the
+        engine is up, move every object this process holds (torch, vLLM, the model's Python side) out of the
+        cyclic collector's reach (`gc.freeze`, as vLLM's engine core does in its own process), so a full collection
+        walks only what requests made since; the loop thread runs every stream and stops for the whole of a
+        collection (bench/pause_latency.py times them)."""
         engine_kwargs.setdefault("worker_extension_cls", EXTENSION)
         engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
         engine_kwargs.setdefault("disable_log_stats", True)   # LLM's default (entrypoints/llm.py:225)
@@ -100,7 +105,10 @@ class AsyncVLLMRunner:
         except BaseException:
             self._stop_loop()
             raise
-        logger.info("AsyncLLM up for %s", model)
+        if gc_freeze:
+            gc.collect()
+            gc.freeze()
+        logger.info("AsyncLLM up for %s%s", model, f" ({gc.get_freeze_count()} objects frozen)" if gc_freeze else "")
 
     def _call(self, coro, timeout: float | None = None):
         """Run `coro` on the loop thread and block for its result."""
@@ -250,9 +258,16 @@ class AsyncVLLMRunner:
                 st.versions.extend([version] * k)
                 lp = c.logprobs
                 if lp is not None and len(lp) >= k and not st.logprobs_missing:
-                    # one {token_id: Logprob} per position; logprobs=0 holds the sampled one. zip stops at
-                    # k: drops the all-logprobs tail of a merged final empty delta.
-                    st.logprobs.extend(float(pos[int(t)].logprob) for t, pos in zip(new, lp))
+                    if hasattr(lp, "start_indices"):   # FlatLogprobs (SamplingParams.flat_logprobs)
+                        vals = AsyncVLLMRunner._flat_logprobs(lp, [int(t) for t in new])
+                        if vals is None:
+                            st.logprobs_missing = True
+                        else:
+                            st.logprobs.extend(vals)
+                    else:
+                        # one {token_id: Logprob} per position; logprobs=0 holds the sampled one. zip stops at
+                        # k: drops the all-logprobs tail of a merged final empty delta.
+                        st.logprobs.extend(float(pos[int(t)].logprob) for t, pos in zip(new, lp))
                 else:
                     st.logprobs_missing = True   # not requested (None), or short: never misalign
             # k == 0: an abort/error final; its logprobs (the whole list so far) are ignored.
@@ -260,6 +275,24 @@ class AsyncVLLMRunner:
                 st.text.append(c.text)
             if c.finish_reason is not None:
                 st.finish_reason = c.finish_reason
+
+    @staticmethod
+    def _flat_logprobs(lp, new: list[int]) -> list[float] | None:
+        """The sampled tokens' logprobs from a FlatLogprobs (vllm/logprobs.py:30-150): per position a range of
+        flat lists, the sampled token first (append_logprobs_for_next_position puts it there), so no dict or
+        Logprob object is made per token. Its first len(new) positions are this delta's (as with the dict list).
+        None where a position does not hold its sampled token (never seen): the sample then reports none."""
+        starts, ends, ids, vals = lp.start_indices, lp.end_indices, lp.token_ids, lp.logprobs
+        out = []
+        for j, t in enumerate(new):
+            s = starts[j]
+            if s >= ends[j] or ids[s] != t:
+                found = [i for i in range(s, ends[j]) if ids[i] == t]
+                if not found:
+                    return None
+                s = found[0]
+            out.append(float(vals[s]))
+        return out
 
     def pause(self, mode: str = "keep", clear_cache: bool = False, drain: bool = False) -> None:
         """Returns once the scheduler is paused ("keep"/"abort": after the engine step in progress, milliseconds).
@@ -392,6 +425,10 @@ class StreamingVLLMEngine(VLLMEngine):
         made = {p: VSamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, max_tokens=p.max_new_tokens,
                                    logprobs=0, seed=p.seed, ignore_eos=p.ignore_eos,
                                    detokenize=False,   # decoded once per sample (AsyncVLLMRunner._decoded)
+                                   # flat lists, not a dict and a Logprob per token: hundreds of running
+                                   # requests held ~2 GC-tracked objects per token, and full collections
+                                   # stalled the front end's loop (bench/RESULTS.md, eleventh session)
+                                   flat_logprobs=True,
                                    output_kind=RequestOutputKind.DELTA if p.per_token_versions
                                    else RequestOutputKind.FINAL_ONLY)   # see AsyncVLLMRunner._one
                 for p in set(each)}

@@ -10,14 +10,15 @@ in-flight step reaches the stream only after pause_generation returned, announce
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import time
 import types
 
 import pytest
 
-from fake_async_llm import (Bg, FakeAsyncLLM, FakeSamplingParams, RequestOutputKind, TokensPrompt, expected,
-                            wait_for)
+from fake_async_llm import (Bg, FakeAsyncLLM, FakeSamplingParams, FlatLogprobs, RequestOutputKind, TokensPrompt,
+                            expected, wait_for)
 from rlhf_orch.engines.vllm_async import AsyncVLLMRunner, decode_many
 from rlhf_orch.errors import EngineError
 from rlhf_orch.models import build_tokenizer
@@ -53,7 +54,7 @@ def make_runner(monkeypatch, fake_vllm):
             return fakes[-1]
 
         monkeypatch.setattr(AsyncVLLMRunner, "_start", _start)
-        runner = AsyncVLLMRunner("fake-model", drain_timeout_s=5.0)
+        runner = AsyncVLLMRunner("fake-model", drain_timeout_s=5.0, gc_freeze=fake_kw.pop("gc_freeze", False))
         made.append((runner, fakes[0]))
         return runner, fakes[0]
 
@@ -109,6 +110,43 @@ def test_decode_many_gives_what_decode_gives(skip):
             calls.append(len(x))
             return tok.decode(x, skip_special_tokens=skip_special_tokens)
     assert decode_many(CleanUp(), ids, skip) == want and calls == [len(x) for x in ids]
+
+
+def test_flat_logprobs_give_what_dict_logprobs_give(make_runner):
+    """flat_logprobs=True (what StreamingVLLMEngine asks for): vLLM sends FlatLogprobs instead of a dict per token;
+    the fake's put a rival token after the sampled one at every position. Streamed and FINAL_ONLY rows are equal
+    to the dict-logprob rows, bit for bit."""
+    runner, fake = make_runner()
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    dicts = runner.generate(prompts, FakeSamplingParams(n=2, max_tokens=23), version_fn=lambda: 4)
+    flat = runner.generate(prompts, FakeSamplingParams(n=2, max_tokens=23, flat_logprobs=True), version_fn=lambda: 4)
+    final = final_only(n=2, max_tokens=23)
+    final.flat_logprobs = True
+    flat_final = runner.generate(prompts, final, version_fn=lambda: 4)
+    assert flat == dicts == flat_final and all(len(r[3]) == 23 for r in flat)
+
+
+def test_flat_logprobs_without_the_sampled_token_report_none():
+    """A FlatLogprobs position whose range lacks the sampled token (vLLM always puts it first; never seen) gives no
+    logprobs rather than a neighbour's; a sampled token found later in its range is taken from there."""
+    flat = FlatLogprobs(start_indices=[0, 2], end_indices=[2, 4], token_ids=[7, 8, 9, 5], logprobs=[-1, -2, -3, -4])
+    assert AsyncVLLMRunner._flat_logprobs(flat, [7, 5]) == [-1.0, -4.0]
+    assert AsyncVLLMRunner._flat_logprobs(flat, [7, 6]) is None
+
+
+def test_the_process_objects_are_frozen_once_the_engine_is_up(make_runner):
+    """gc_freeze (the runner's default; off in the other tests here, which share one pytest process): after the
+    start every object the process holds is in the collector's permanent generation, so a full collection on the
+    loop thread walks only what came later."""
+    gc.unfreeze()
+    try:
+        make_runner()
+        assert gc.get_freeze_count() == 0
+        runner, _ = make_runner(gc_freeze=True)
+        assert gc.get_freeze_count() > 10_000   # torch and the rest of this process
+        assert len(runner.generate([[1]], FakeSamplingParams(max_tokens=5))[0][2]) == 5
+    finally:
+        gc.unfreeze()
 
 
 def test_pause_records_its_parts_and_the_open_requests(make_runner):
@@ -170,11 +208,13 @@ def _rid(fake: FakeAsyncLLM, i: int) -> str:
     return rid
 
 
+@pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("merge_abort", [False, True])
-def test_abort_returns_partial_tokens_without_duplicated_logprobs(make_runner, merge_abort):
+def test_abort_returns_partial_tokens_without_duplicated_logprobs(make_runner, merge_abort, flat):
     runner, fake = make_runner(merge_abort=merge_abort)
     prompts = [[21, 22], [23, 24, 25]]
-    job = Bg(runner.generate, prompts, FakeSamplingParams(n=2, max_tokens=500), version_fn=lambda: 3)
+    job = Bg(runner.generate, prompts, FakeSamplingParams(n=2, max_tokens=500, flat_logprobs=flat),
+             version_fn=lambda: 3)
     wait_for(lambda: fake.tokens_emitted >= 30)
     runner.pause("abort")
     rows = job.get()
