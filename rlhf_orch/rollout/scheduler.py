@@ -80,7 +80,10 @@ class GroupScheduler:
         self.requeue_first: list[Prompt] = []     # draws of an earlier run segment, served before new ones
         self.outstanding = {e: 0 for e in self.engines}   # samples dispatched and not yet returned
         self.counts = {"drawn": 0, "dispatched": 0, "trained": 0, "filtered": 0, "aborted": 0, "requeued_on_resume": 0,
-                       "kept_over_cap": 0, "requeued_on_failure": 0}
+                       "kept_over_cap": 0, "requeued_on_failure": 0,
+                       # finished samples (filtered or trained later) whose tokens came from two or more weight
+                       # versions: partial rollouts at work, whichever groups dynamic sampling keeps
+                       "spanning_samples": 0}
         self._next_gid = 0
         self._filtered_since_batch = 0
         self._filtered_gids: list[int] = []   # deterministic: filtered groups not yet reported by a batch
@@ -145,6 +148,7 @@ class GroupScheduler:
                 self.counts["aborted"] += 1
                 continue
             g.state, g.samples = SCORING, ss
+            self.counts["spanning_samples"] += sum(s.min_version != s.max_version for s in ss)
             to_score.append(g)
         return to_score
 

@@ -68,9 +68,11 @@ def test_staleness_one_partial_rollouts_filtering_and_tis(tmp_path, monkeypatch)
         if r["step"] > 1:   # the pause's parts (RolloutActor.pause): keep mode waits out no call, so no gate wait
             assert r["sync/pause_gate_s"] < 0.05 and 0.0 <= r["sync/pause_engine_s"] <= r["sync/pause_s"]
     assert sum(r["staleness/lag_1"] for r in records) > 0                 # trained on one-step-old tokens
-    assert sum(r["staleness/spanning_frac"] for r in records) > 0         # responses spanning a weight update
     summary = json.loads((run / "summary.json").read_text())
     led = summary["ledger"]
+    # responses spanning a weight update, among every finished sample: whether one of them lands in a group that
+    # dynamic sampling keeps (`staleness/spanning_frac` counts trained ones) depends on timing and rewards
+    assert led["spanning_samples"] > 0 and led["spanning_samples"] >= max(r["ledger/spanning_samples"] for r in records)
     assert led["balanced"] == 1 and led["trained"] == sum(r["rollout/groups"] for r in records)
     assert led["filtered"] == sum(r["rollout/groups_filtered"] for r in records)
     assert led["drawn"] == led["trained"] + led["filtered"] + led["queued"] + led["in_flight"] + led["buffered"]

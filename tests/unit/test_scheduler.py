@@ -216,3 +216,20 @@ def test_a_resumed_runs_ledger_counts_every_segment_once():
     assert whole_run_ledger({}, after) == after                      # a fresh run: its own ledger
     chained = whole_run_ledger(led, {**after, "trained": 16, "drawn": 20, "filtered": 0, "queued": 4})
     assert chained["trained"] == 256 and chained["balanced"] == 1   # a checkpoint of the resumed run holds it all
+
+
+def test_spanning_samples_are_counted_when_generated_filtered_or_not():
+    """`spanning_samples` counts every finished sample whose tokens came from two weight versions, also in groups
+    dynamic sampling drops later (the trained-batch metric `staleness/spanning_frac` cannot see those); aborted
+    groups are re-queued, not counted."""
+    s = make(k=1, B=2, filter_groups=True)
+    s.admit()
+    plan = s.plan_dispatch()
+    (ea, ga), (eb, gb) = plan[0], plan[1]
+    spans = [[Sample(0, [], [1, 2], [0.0, 0.0], "stop", 0, token_versions=[0, 1]),
+              Sample(0, [], [1], [0.0], "stop", 0)] for _ in ga]
+    for g in s.on_generated(ea, ga, spans):
+        s.on_scored(g, [1.0, 1.0], 1.0)            # all rewards equal: filtered
+    assert s.ledger()["filtered"] == len(ga) and s.ledger()["spanning_samples"] == len(ga)
+    aborted = [[Sample(0, [], [1, 2], [0.0, 0.0], "abort", 0, token_versions=[0, 1])] * 2 for _ in gb]
+    assert s.on_generated(eb, gb, aborted) == [] and s.ledger()["spanning_samples"] == len(ga)
