@@ -18,11 +18,14 @@ import time
 import ray
 
 from actors.common import kill_descendants, setup_process
-from rlhf_orch.config.schema import EngineConfig
+from transformers import AutoTokenizer
+
+from rlhf_orch.config.schema import EngineConfig, MultiTurnSection
 from rlhf_orch.engines import SamplingParams, engine_class, engine_options
 from rlhf_orch.engines.base import streams_over
 from rlhf_orch.errors import EngineError
 from rlhf_orch.gpu_memory import devices_used_gb
+from rlhf_orch.rollout.multiturn import TOOLS, MultiTurn
 from rlhf_orch.weight_sync import WeightReceiver
 from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.replay import LoadReplay
@@ -31,13 +34,22 @@ from rlhf_orch.weight_sync.replay import LoadReplay
 @ray.remote(max_concurrency=64)
 class RolloutActor:
     def __init__(self, name: str, ecfg: EngineConfig, device: str, device_id: str, model_path: str, dtype: str,
-                 seed: int, hooks: dict | None = None):
+                 seed: int, hooks: dict | None = None, multi_turn: MultiTurnSection | None = None):
         """The engine its typed section describes (rlhf_orch/engines.engine_options), on `device_id`; `hooks`: test
-        hooks (rlhf_orch.engines.hooks_from_env, read by the driver)."""
+        hooks (rlhf_orch.engines.hooks_from_env, read by the driver); `multi_turn`: rollout.multi_turn, whose
+        trajectories (rlhf_orch/rollout/multiturn.py) each generate call then returns."""
         setup_process(device)
         self.name = name
         kind, kwargs = engine_options(ecfg, model_path, dtype, seed, hooks)
         self.engine = engine_class(kind)(name=name, device=device, device_id=device_id, **kwargs)
+        self.turns = None
+        if multi_turn is not None:
+            tok = AutoTokenizer.from_pretrained(model_path)
+            self.turns = MultiTurn(self.engine.generate, TOOLS[multi_turn.tool](),
+                                   lambda text: tok.encode(text, add_special_tokens=False),
+                                   lambda ids: tok.decode(ids, skip_special_tokens=True), multi_turn.max_turns,
+                                   multi_turn.total_tokens(ecfg.sampling.max_new_tokens),
+                                   multi_turn.max_observation_tokens)
         self.receiver = None
         self.verify = True
         self._gate = threading.Condition()
@@ -130,7 +142,7 @@ class RolloutActor:
                                   f"version {version} reached the engine at version {self.engine.weight_version} (it "
                                   "arrived after a sync began), so this run would not be reproducible; please report it")
             start, t0 = time.time(), time.perf_counter()
-            samples = self.engine.generate(prompts, params)
+            samples = (self.turns or self.engine).generate(prompts, params)
             secs = time.perf_counter() - t0
         finally:
             with self._gate:

@@ -42,6 +42,11 @@ class Sample:
     # Version of the weights that produced each response token. A response can span an in-flight weight
     # update (rollout.partial_rollouts), so later tokens may carry a newer version. Empty: all weight_version.
     token_versions: list[int] = field(default_factory=list)
+    # Multi-turn samples (rlhf_orch/rollout/multiturn.py): 1 on the model's tokens, 0 on observations (tool outputs
+    # in the context, never trained); empty: every response token is the model's. `turn_stats`: the trajectory's
+    # counts (turns, tool calls and errors, observation tokens, truncated) for the step's metrics.
+    loss_mask: list[int] = field(default_factory=list)
+    turn_stats: dict[str, int] = field(default_factory=dict)
 
     @property
     def versions(self) -> list[int]:

@@ -453,6 +453,24 @@ def rollout_problems(cfg: ExperimentConfig) -> list[str]:
         for i, kind, fix in stuck:
             p.append(f"rollout.running_requests: abort needs engines that stop a request between two decode steps and "
                      f"engines.{i} (kind {kind}) cannot; {fix}, or set running_requests: wait (or remove it: auto)")
+    if r.multi_turn is not None:
+        mt = r.multi_turn
+        if r.partial_rollouts:
+            p.append("rollout.multi_turn: partial rollouts across turns are not built yet (issue #29); set "
+                     "partial_rollouts: false or remove multi_turn")
+        total = max(mt.total_tokens(e.sampling.max_new_tokens) for e in cfg.engines)
+        if cfg.model.path.startswith("builtin:") and \
+                cfg.data.max_prompt_tokens + total > cfg.model.tiny.max_position_embeddings:
+            how = "" if mt.max_total_tokens else ", its default: max_turns x (max_new_tokens + max_observation_tokens)"
+            p.append(f"rollout.multi_turn.max_total_tokens: prompt ({cfg.data.max_prompt_tokens}) + trajectory "
+                     f"({total}{how}) exceed model.tiny.max_position_embeddings "
+                     f"({cfg.model.tiny.max_position_embeddings}); set or lower max_total_tokens, or raise the "
+                     "model's positions")
+        t = cfg.trainer
+        if t.max_tokens_per_micro_batch and t.max_tokens_per_micro_batch < cfg.data.max_prompt_tokens + total:
+            p.append(f"rollout.multi_turn.max_total_tokens: a trajectory may reach data.max_prompt_tokens + {total} "
+                     f"tokens, above trainer.max_tokens_per_micro_batch ({t.max_tokens_per_micro_batch}); raise the "
+                     "budget or lower max_total_tokens")
     if r.final_outputs and r.partial_rollouts:
         p.append("rollout.final_outputs: a request kept through a sync (partial_rollouts) needs each token's weight "
                  "version as it is sampled; set final_outputs: false or partial_rollouts: false")

@@ -293,7 +293,24 @@ class TrainerSection(_Section):
         "move to fit moves (nothing, only the engines' sleep, or all as configured). On cpu auto moves nothing.")
 
 
+class MultiTurnSection(_Section):
+    tool: Literal["calculator"] = Field("calculator", description="The tool that answers a model turn: calculator "
+                                        "reads the turn's last `calc(<expression>)` and answers `=<value>`.")
+    max_turns: int = Field(4, ge=1, description="Model turns per trajectory at most.")
+    max_total_tokens: int | None = Field(None, ge=1, description="Response tokens per trajectory at most (model turns "
+        "and observations); a trajectory that reaches it ends with finish_reason length. Default: max_turns x (the "
+        "engine's sampling.max_new_tokens + max_observation_tokens), every turn's whole budget.")
+    max_observation_tokens: int = Field(16, ge=1, description="Tokens of one observation at most (cut beyond).")
+
+    def total_tokens(self, max_new_tokens: int) -> int:
+        """max_total_tokens, or its default for an engine whose turns have `max_new_tokens`."""
+        return self.max_total_tokens or self.max_turns * (max_new_tokens + self.max_observation_tokens)
+
+
 class RolloutSection(_Section):
+    multi_turn: MultiTurnSection | None = Field(None, description="Multi-turn rollouts (rollout/multiturn.py): after "
+        "each model turn the tool's observation joins the context (never trained) and the model goes on, token ids "
+        "in, token ids out. Absent: one prompt, one response.")
     max_staleness: int = Field(0, ge=0, description="Most policy versions a trained token may lag the trained "
                                "weights. 0: on-policy, the synchronous loop exactly; k >= 1: engines generate for later "
                                "steps while the trainer trains.")

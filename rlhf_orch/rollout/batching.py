@@ -50,7 +50,8 @@ def assemble(groups: list[Group], trained_version: int, max_staleness: int, algo
     check_versions(samples, trained_version, max_staleness)
     reward_t = torch.tensor(rewards)
     group_ids = torch.tensor([s.prompt_index for s in samples])
-    lengths = torch.tensor([len(s.response_ids) for s in samples])   # the loss tokens (reinforce_pp_baseline)
+    # the loss tokens (reinforce_pp_baseline): multi-turn samples' observations are not trained
+    lengths = torch.tensor([sum(s.loss_mask) if s.loss_mask else len(s.response_ids) for s in samples])
     adv = algorithm.outcome_advantages(reward_t, group_ids, response_lengths=lengths)   # dense: outcome algorithms take its sum
     batch = build_train_batch(samples, adv, pad_id, rewards=reward_t)
     if per_token:
@@ -58,6 +59,7 @@ def assemble(groups: list[Group], trained_version: int, max_staleness: int, algo
     metrics = rollout_metrics(prompts, samples, reward_t, adv, gen_seconds)
     metrics.update(staleness_metrics(samples, trained_version, max_staleness))
     metrics["rollout/groups"] = float(len(groups))
+    metrics.update(turn_metrics(samples))
     if any("model" in g.reward_parts for g in groups):   # a reward model scores: each source's mean, unweighted
         for source in ("function", "model"):
             vals = [v for g in groups for v in g.reward_parts.get(source, [])]
@@ -97,7 +99,19 @@ def staleness_metrics(samples: list[Sample], trained_version: int, max_staleness
         v = s.versions
         if v:
             versions[b, :len(v)] = torch.tensor(v)
-            mask[b, :len(v)] = 1.0
+            mask[b, :len(v)] = torch.tensor(s.loss_mask, dtype=torch.float32) if s.loss_mask else 1.0   # trained
     out = staleness_histogram(versions, mask, trained_version, max_staleness)
     out["staleness/spanning_frac"] = sum(s.min_version != s.max_version for s in samples) / max(1, len(samples))
     return out
+
+
+TURN_KEYS = ("turns", "tool_calls", "tool_errors", "observation_tokens", "truncated")
+
+
+def turn_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Multi-turn samples only (rollout.multi_turn): per-trajectory means of turns, tool calls, tool errors and
+    observation tokens, and the share truncated by max_total_tokens (`rollout/<key>_mean`); {} for single-turn."""
+    stats = [s.turn_stats for s in samples if s.turn_stats]
+    if not stats:
+        return {}
+    return {f"rollout/{k}_mean": sum(st.get(k, 0) for st in stats) / len(stats) for k in TURN_KEYS}

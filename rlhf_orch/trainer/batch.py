@@ -28,7 +28,7 @@ def build_train_batch(samples: Sequence[Sample], advantages: torch.Tensor, pad_i
         n, p = len(seq), len(s.prompt_ids)
         ids[b, :n] = torch.tensor(seq)
         attn[b, :n] = 1
-        resp[b, p:n] = 1.0
+        resp[b, p:n] = 1.0 if not s.loss_mask else torch.tensor(s.loss_mask, dtype=torch.float32)
         eng_lp[b, p:n] = torch.tensor(s.logprobs, dtype=torch.float32)
     return TrainBatch(ids, attn, resp, advantages.float().clone(), eng_lp,
                       rewards=None if rewards is None else rewards.float().clone())

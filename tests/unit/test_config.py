@@ -129,6 +129,25 @@ def test_rollout_settings_are_checked_before_anything_starts():
     assert load_config(cfg, ["rollout.max_staleness=1", "rollout.final_outputs=true"]).rollout.final_outputs
 
 
+def test_multi_turn_section_and_its_limits():
+    cfg = ROOT / "configs/tiny_cpu.yaml"
+    assert load_config(cfg).rollout.multi_turn is None   # absent: single-turn, as before
+    mt = load_config(cfg, ["rollout.multi_turn.max_turns=2", "rollout.multi_turn.max_observation_tokens=4"]).rollout.multi_turn
+    assert (mt.tool, mt.max_turns, mt.max_total_tokens, mt.max_observation_tokens) == ("calculator", 2, None, 4)
+    assert mt.total_tokens(5) == 2 * (5 + 4)
+    with pytest.raises(ConfigError, match=r"rollout.multi_turn.max_turns: Input should be greater than or equal to 1"):
+        load_config(cfg, ["rollout.multi_turn.max_turns=0"])
+    with pytest.raises(ConfigError, match=r"rollout.multi_turn.tool: Input should be 'calculator'"):
+        load_config(cfg, ["rollout.multi_turn.tool=search"])
+    with pytest.raises(ConfigError, match=r"rollout.multi_turn: partial rollouts across turns are not built yet"):
+        load_config(cfg, ["rollout.multi_turn.max_turns=2", "rollout.max_staleness=1", "rollout.partial_rollouts=true"])
+    with pytest.raises(ConfigError, match=r"rollout.multi_turn.max_total_tokens: prompt \(\d+\) \+ trajectory \(5000\) "
+                                          r"exceed model.tiny.max_position_embeddings"):
+        load_config(cfg, ["rollout.multi_turn.max_total_tokens=5000"])
+    with pytest.raises(ConfigError, match=r"trajectory \(\d+, its default: max_turns x"):
+        load_config(cfg, ["rollout.multi_turn.max_turns=8"])
+
+
 def test_partial_rollouts_need_engines_that_can_pause(tmp_path):
     p = write(tmp_path, "trainer: {device: cuda, num_ranks: 1}\nrollout: {max_staleness: 1, partial_rollouts: true}\n"
                         "engines:\n  - {kind: vllm}\n  - {kind: sglang}\n  - {kind: vllm, streaming: true}\n"
