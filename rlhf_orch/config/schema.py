@@ -322,7 +322,8 @@ class RolloutSection(_Section):
         "max_staleness >= 1 when the sync is on the trainer's path and engines can stop mid-request, else wait (checks.py).")
     final_outputs: bool = Field(False, description="Streaming vLLM engines hand back each request only when it ends "
         "(FINAL_ONLY: no per-step output on the engine's front end) instead of streaming every token. Same samples; "
-        "not with partial_rollouts (a kept request needs each token's weight version). Not yet shown faster (RESULTS.md).")
+        "not with partial_rollouts (a kept request needs each token's weight version). Its pause at 512 running: 35-44 ms "
+        "against 50-82 ms streamed (RESULTS.md, eleventh session); generation speed not yet compared.")
     deterministic: bool = Field(False, description="Make max_staleness >= 1 runs reproducible from experiment.seed "
         "(rollout/scheduler.py says how). Costs throughput: no aborts or partial rollouts; slow groups hold up others.")
     dispatch_groups: int = Field(0, ge=0, description="Prompt groups per generate call (0: prompts_per_step / number of "
