@@ -113,11 +113,13 @@ class MultiTurn:
             live = [t for t in trajs if not t.done and self._observe(t)]
             if not live:
                 break
-            # one more turn each, n = 1, from its own context; evaluation seeds differ per trajectory and turn
-            base = each[0]
-            ps = [dataclasses.replace(base, n=1, max_new_tokens=min(base.max_new_tokens, self._room(t)),
-                                      seed=None if base.seed is None else base.seed + 7919 * turn + i)
-                  for i, t in enumerate(live)]
+            # one more turn each, n = 1, from its own context, with its prompt's parameters (rows may bound their
+            # own length); evaluation seeds differ per trajectory and turn
+            ps = []
+            for i, t in enumerate(live):
+                own = each[t.sample.prompt_index]
+                ps.append(dataclasses.replace(own, n=1, max_new_tokens=min(own.max_new_tokens, self._room(t)),
+                                              seed=None if own.seed is None else own.seed + 7919 * turn + i))
             for t, s in zip(live, self._generate([list(t.context) for t in live], ps)):
                 self._extend(t, s)
         return [self._finish(t) for t in trajs]

@@ -112,6 +112,13 @@ def test_turns_are_the_engines_ids_and_observations_are_masked():
     assert one.loss_mask == [1, 1] and one.turn_stats["turns"] == 1 and one.turn_stats["tool_calls"] == 0
 
 
+def test_each_trajectory_keeps_its_prompts_parameters():
+    eng = Scripted({0: ["calc(1+1)", "2" * 15], 1: ["calc(1+1)", "3" * 15]})
+    a, b = runner(eng).generate([[0], [1]], [SamplingParams(max_new_tokens=20), SamplingParams(max_new_tokens=12)])
+    assert [ids for m, ids in split(a) if m][1] == [CHARS.index("2")] * 15 + [EOS]
+    assert [ids for m, ids in split(b) if m][1] == [CHARS.index("3")] * 12 and b.finish_reason == "length"
+
+
 def test_limits_end_trajectories():
     eng = Scripted({0: ["calc(1+1)"]})   # calls the tool every turn
     s, = runner(eng, max_turns=3).generate([[0]], SamplingParams(max_new_tokens=20))
