@@ -295,7 +295,7 @@ class TrainerSection(_Section):
 
 class MultiTurnSection(_Section):
     tool: Literal["calculator"] = Field("calculator", description="The tool that answers a model turn: calculator "
-                                        "reads the turn's last `calc(<expression>)` and answers `=<value>`.")
+                                        "reads the turn's last `calc(<expression>)` and answers `=<value> `.")
     max_turns: int = Field(4, ge=1, description="Model turns per trajectory at most.")
     max_total_tokens: int | None = Field(None, ge=1, description="Response tokens per trajectory at most (model turns "
         "and observations); a trajectory that reaches it ends with finish_reason length. Default: max_turns x (the "

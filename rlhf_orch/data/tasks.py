@@ -34,4 +34,14 @@ def reverse_rows(n: int = 200, length: int = 3, seed: int = 0) -> list[dict]:
     return rows
 
 
-TASKS = {"arithmetic": arithmetic_rows, "reverse": reverse_rows}
+def tool_sum_rows(low: int = 10, high: int = 49, seed: int = 0) -> list[dict]:
+    """`a+b=` with two-digit operands, for multi-turn runs with the calculator (rollout.multi_turn): "answer" is the
+    call `calc(a+b)` (what a warm start with real answers teaches as the first turn), "sum" the value the last turn
+    must give (rewards.builtin.tool_final_answer)."""
+    rows = [{"prompt": f"{a}+{b}=", "answer": f"calc({a}+{b})", "sum": str(a + b)}
+            for a in range(low, high + 1) for b in range(low, high + 1)]
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+TASKS = {"arithmetic": arithmetic_rows, "reverse": reverse_rows, "tool_sums": tool_sum_rows}

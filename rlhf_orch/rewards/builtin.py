@@ -6,6 +6,8 @@ row["response_ids"]): an example of per-token reward shaping.
 """
 from __future__ import annotations
 
+import re
+
 from rlhf_orch.rewards import dense
 
 
@@ -38,3 +40,15 @@ def exact_match_token_cost(response: str, row: dict, cost: float = 0.01) -> list
     if out:
         out[-1] += exact_match(response, row)
     return out
+
+
+def tool_final_answer(response: str, row: dict) -> float:
+    """Multi-turn calculator tasks (data builtin:tool_sums): half for a call that got the sum from the tool (an
+    observation `=<sum> `), half for the last turn, the text after the tool's last observation (the whole response
+    if there is none): the sum exactly, else the share of its characters right in place, less 0.2 per extra
+    character, at least 0."""
+    found = list(re.finditer(r"=(-?\d+) ", response))
+    final = (response[found[-1].end():] if found else response).strip()
+    called = 0.5 if found and found[-1].group(1) == str(row["sum"]) else 0.0
+    answered = 1.0 if final == str(row["sum"]) else max(0.0, char_accuracy(final, {"answer": row["sum"]}))
+    return called + 0.5 * answered

@@ -16,7 +16,7 @@ finish_reason "abort", so the scheduler re-queues its whole group, as for a sing
 answers with an error observation; it never ends the run.
 
 Built in: `Calculator`, a tool called as `calc(<expression>)` in a turn's text (integers, + - * and parentheses),
-whose observation is `=<value>`. Not here (issue #29's later parts): agent functions, chat templates and OpenAI-style
+whose observation is `=<value> ` (the space keeps the next turn's text apart). Not here (issue #29's later parts): agent functions, chat templates and OpenAI-style
 tool schemas, the sandboxed code tool, the OpenAI endpoint, partial rollouts across turns.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class ToolError(Exception):
 
 
 class Calculator:
-    """`calc(<expr>)`: the value of the last such call in the turn, as `=<value>`. Integers, + - * and parentheses
+    """`calc(<expr>)`: the value of the last such call in the turn, as `=<value> `. Integers, + - * and parentheses
     only (an AST walk, no eval), at most `max_chars` characters and `max_digits` digits in the result."""
 
     CALL = re.compile(r"calc\(([^()]*(?:\([^()]*\)[^()]*)*)\)")
@@ -64,7 +64,7 @@ class Calculator:
             raise ToolError(f"calc: {type(e).__name__}") from e
         if len(str(abs(value))) > self.max_digits:
             raise ToolError("calc: too large")
-        return f"={value}"
+        return f"={value} "   # the space ends the observation: the next turn's text stays apart from it
 
     def _eval(self, node) -> int:
         if isinstance(node, ast.Constant) and type(node.value) is int:
@@ -158,10 +158,10 @@ class MultiTurn:
         try:
             obs = self.tool(self.decode(turn_ids))
         except ToolError as e:
-            obs, t.stats["tool_errors"] = f"={e}", t.stats["tool_errors"] + 1
+            obs, t.stats["tool_errors"] = f"={e} ", t.stats["tool_errors"] + 1
         except Exception as e:   # a broken tool answers with its error; the run goes on
             logger.warning("tool %s raised %s: %s", type(self.tool).__name__, type(e).__name__, e)
-            obs, t.stats["tool_errors"] = f"=error {type(e).__name__}", t.stats["tool_errors"] + 1
+            obs, t.stats["tool_errors"] = f"=error {type(e).__name__} ", t.stats["tool_errors"] + 1
         if obs is None:
             t.done = True
             return False

@@ -15,8 +15,8 @@ from rlhf_orch.types import Sample
 
 # ---------------------------------------------------------------- the calculator
 
-@pytest.mark.parametrize("text, want", [("calc(12+7)", "=19"), ("x calc(2*(3+4)) y", "=14"), ("calc(1-9)", "=-8"),
-                                        ("calc(1+1) then calc(5*5)", "=25"), ("no call", None), ("calc ( 1)", None)])
+@pytest.mark.parametrize("text, want", [("calc(12+7)", "=19 "), ("x calc(2*(3+4)) y", "=14 "), ("calc(1-9)", "=-8 "),
+                                        ("calc(1+1) then calc(5*5)", "=25 "), ("no call", None), ("calc ( 1)", None)])
 def test_calculator_answers_the_last_call(text, want):
     assert Calculator()(text) == want
 
@@ -98,16 +98,16 @@ def test_turns_are_the_engines_ids_and_observations_are_masked():
     s = samples[0]
     turn1 = [CHARS.index(c) for c in "calc(12+1)"] + [EOS]
     turn2 = [CHARS.index(c) for c in "13"] + [EOS]
-    assert split(s) == [(1, turn1), (0, enc("=13")), (1, turn2)]
+    assert split(s) == [(1, turn1), (0, enc("=13 ")), (1, turn2)]
     # exactly the engine's ids: re-encoding the text would merge "1","2" and drop the EOS between turns
-    assert enc(s.text) != s.response_ids and s.text == "calc(12+1)=1313"
-    assert s.logprobs == [-0.1 * (k + 1) for k in range(len(turn1))] + [0.0] * 3 + [-0.1 * (k + 1) for k in range(3)]
+    assert enc(s.text) != s.response_ids and s.text == "calc(12+1)=13 13"
+    assert s.logprobs == [-0.1 * (k + 1) for k in range(len(turn1))] + [0.0] * 4 + [-0.1 * (k + 1) for k in range(3)]
     assert s.token_versions == [3] * len(s.response_ids) and s.weight_version == 3
     assert s.finish_reason == "stop" and s.turn_stats == {"turns": 2, "tool_calls": 1, "tool_errors": 0,
-                                                          "observation_tokens": 3, "truncated": 0}
+                                                          "observation_tokens": 4, "truncated": 0}
     # the second turn was generated from the whole context, n = 1, with the room left
     (ctx, max_new, n), = [c for c in eng.calls[1] if c[0][0] == 0][:1]
-    assert ctx == [0, 5] + turn1 + enc("=13") and n == 1 and max_new == 20
+    assert ctx == [0, 5] + turn1 + enc("=13 ") and n == 1 and max_new == 20
     one = samples[2]   # no tool call: one turn, nothing masked
     assert one.loss_mask == [1, 1] and one.turn_stats["turns"] == 1 and one.turn_stats["tool_calls"] == 0
 
@@ -134,7 +134,7 @@ def test_an_aborted_turn_ends_the_trajectory_as_aborted_and_a_tool_error_is_an_o
     eng = Scripted({0: ["calc(1+1)", "calc(2**5)", "9"], 1: ["calc(1+1)", "7"]}, abort_at=(1, 1))
     a, b = runner(eng, max_observation_tokens=32).generate([[0], [1]], SamplingParams(max_new_tokens=20))
     assert a.finish_reason == "stop" and a.turn_stats["tool_errors"] == 1 and a.turn_stats["turns"] == 3
-    assert "calc(2**5)=calc: ValueError9" in a.text   # Pow is not computed: the error is the observation
+    assert "calc(2**5)=calc: ValueError 9" in a.text   # Pow is not computed: the error is the observation
     assert b.finish_reason == "abort" and b.turn_stats["turns"] == 2   # the scheduler re-queues its group
 
 
@@ -146,10 +146,11 @@ def test_loss_mask_holes_reach_the_train_batch_and_metrics():
     want = torch.zeros(batch.response_mask.shape[1])
     want[p:p + len(samples[0].loss_mask)] = torch.tensor(samples[0].loss_mask, dtype=torch.float32)
     assert torch.equal(batch.response_mask[0], want) and batch.response_mask.sum() == 2 * 14
-    assert batch.engine_logprobs[0, p + 11:p + 14].abs().sum() == 0   # the observation "=13"
+    assert batch.engine_logprobs[0, p + 11:p + 15].abs().sum() == 0   # the observation "=13 "
+    assert batch.response_mask[0, p + 11:p + 15].sum() == 0 and batch.response_mask[0, p + 15] == 1
     m = turn_metrics(samples)
     assert m == {"rollout/turns_mean": 2.0, "rollout/tool_calls_mean": 1.0, "rollout/tool_errors_mean": 0.0,
-                 "rollout/observation_tokens_mean": 3.0, "rollout/truncated_mean": 0.0}
+                 "rollout/observation_tokens_mean": 4.0, "rollout/truncated_mean": 0.0}
     assert turn_metrics([Sample(0, [1], [2], [0.0], "stop", 0)]) == {}   # single-turn batches: no new keys
     assert staleness_metrics(samples, 3, 0)["staleness/lag_0"] == 2 * 14   # trained tokens only
 
@@ -185,3 +186,20 @@ def test_the_hf_engine_trajectory_keeps_every_id_it_produced(tiny_model_dir):
     with_eos = [s for s in samples if any(ids[-1] == tok.eos_token_id for m, ids in split(s)[:-1] if m == 1)]
     for s in with_eos:
         assert tok.encode(s.text, add_special_tokens=False) != s.response_ids
+
+
+# ---------------------------------------------------------------- the CPU example's task and reward
+
+def test_tool_sums_rows_and_the_final_answer_reward():
+    from rlhf_orch.data.dataset import load_rows
+    from rlhf_orch.rewards.builtin import tool_final_answer
+    rows = load_rows("builtin:tool_sums")
+    assert len(rows) == 40 * 40 and rows == load_rows("builtin:tool_sums")   # seeded order
+    r = next(x for x in rows if x["prompt"] == "12+34=")
+    assert r == {"prompt": "12+34=", "answer": "calc(12+34)", "sum": "46"}
+    assert Calculator()(r["answer"]) == "=46 "
+    assert tool_final_answer("calc(12+34)=46 46", r) == 1.0       # the tool called right, its answer copied
+    assert tool_final_answer("calc(12+34)=46 47", r) == 0.75      # called right, one digit of two copied
+    assert tool_final_answer("calc(12+33)=45 45", r) == 0.25      # a wrong call: only the in-place digit counts
+    assert tool_final_answer("46", r) == 0.5                      # no tool: the answer alone is half
+    assert tool_final_answer("calc(1)=1 5)", r) == 0.0
