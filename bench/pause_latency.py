@@ -15,9 +15,10 @@ the end), and "flat" ("end" with `flat_logprobs=True`: vLLM keeps a request's lo
 dict and a Logprob object per token; what StreamingVLLMEngine asks for since the eleventh session); abort rounds
 also run "final" (FINAL_ONLY, flat: one output per request at its end, what rollout.final_outputs asks for). Every
 garbage collection of this process is timed (gc.callbacks): the `gc` column is the collections' time inside each
-pause, and the collections of each generation are summed up after the table. The pause is the runner's own (`AsyncVLLMRunner.pause`: the
-engine core's pause, no drain; `resume()` drains) and is split into: loop lag (until our coroutine runs on the
-runner's event loop), the engine core's pause, and the outputs still queued from the engine when it returned.
+pause, and the collections of each generation are summed up after the table. The pause is the runner's own
+(`AsyncVLLMRunner.pause`: the engine core's pause, no drain; `resume()` drains) and is split into: loop lag (until
+our coroutine runs on the runner's event loop), the engine core's pause, and the outputs still queued from the
+engine when it returned.
 `resume_s` includes the drain.
 Prints a markdown table (median and max) and writes it to --out. `--sample-stacks` (vLLM): during each abort pause a
 thread samples every other thread's innermost frames every 2 ms (sys._current_frames; it needs the GIL too, so a
