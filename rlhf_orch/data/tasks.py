@@ -35,12 +35,16 @@ def reverse_rows(n: int = 200, length: int = 3, seed: int = 0) -> list[dict]:
 
 
 def tool_sum_rows(low: int = 10, high: int = 49, seed: int = 0) -> list[dict]:
-    """`a+b=` with two-digit operands, for multi-turn runs with the calculator (rollout.multi_turn): "answer" is the
-    call `calc(a+b)` (what a warm start with real answers teaches as the first turn), "sum" the value the last turn
-    must give (rewards.builtin.tool_final_answer)."""
-    rows = [{"prompt": f"{a}+{b}=", "answer": f"calc({a}+{b})", "sum": str(a + b)}
+    """`a+b=` with two-digit operands, for multi-turn runs with the calculator (rollout.multi_turn): "sum" is the value
+    the last turn must give (rewards.builtin.tool_final_answer); "answer" is what a warm start with real answers
+    teaches, a whole two-turn trajectory in text: the call `calc(a+b)`, the end of the turn, the tool's observation,
+    and a last turn with the digits of another row's sum. So the warm start teaches the call and the form of the last
+    turn, not its content: repeating the tool's answer is left to RL."""
+    rng = random.Random(seed)
+    rows = [{"prompt": f"{a}+{b}=", "sum": str(a + b),
+             "answer": f"calc({a}+{b})<eos>={a + b} {rng.randint(2 * low, 2 * high)}"}
             for a in range(low, high + 1) for b in range(low, high + 1)]
-    random.Random(seed).shuffle(rows)
+    rng.shuffle(rows)
     return rows
 
 

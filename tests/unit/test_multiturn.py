@@ -196,8 +196,12 @@ def test_tool_sums_rows_and_the_final_answer_reward():
     rows = load_rows("builtin:tool_sums")
     assert len(rows) == 40 * 40 and rows == load_rows("builtin:tool_sums")   # seeded order
     r = next(x for x in rows if x["prompt"] == "12+34=")
-    assert r == {"prompt": "12+34=", "answer": "calc(12+34)", "sum": "46"}
-    assert Calculator()(r["answer"]) == "=46 "
+    assert r["sum"] == "46" and r["answer"].startswith("calc(12+34)<eos>=46 ")   # the warm start's two turns
+    last = r["answer"].split(" ")[-1]
+    assert last.isdigit() and 20 <= int(last) <= 98    # the last turn's form, another row's digits
+    assert Calculator()(r["answer"].split("<eos>")[0]) == "=46 "
+    tok = build_tokenizer()
+    assert tok.eos_token_id in tok.encode(r["answer"], add_special_tokens=False)   # the turn ends as a model turn does
     assert tool_final_answer("calc(12+34)=46 46", r) == 1.0       # the tool called right, its answer copied
     assert tool_final_answer("calc(12+34)=46 47", r) == 0.75      # called right, one digit of two copied
     assert tool_final_answer("calc(12+33)=45 45", r) == 0.25      # a wrong call: only the in-place digit counts
