@@ -34,9 +34,7 @@ def warm_start_pairs(rows: Sequence[dict], n: int, real_answers: bool, rng: rand
 
 def rollout_metrics(prompts: Sequence[Prompt], samples: Sequence[Sample], rewards: torch.Tensor,
                     advantages: torch.Tensor, gen_seconds: float) -> dict[str, float]:
-    # the model's tokens (multi-turn samples also hold observations, loss_mask 0: not generated, not trained)
-    lens = torch.tensor([sum(s.loss_mask) if s.loss_mask else len(s.response_ids) for s in samples],
-                        dtype=torch.float32)
+    lens = torch.tensor([s.trained_tokens for s in samples], dtype=torch.float32)   # the model's, not observations
     tokens = float(lens.sum())
     solved = torch.zeros(len(prompts))
     for s, r in zip(samples, rewards.tolist()):

@@ -53,6 +53,11 @@ class Sample:
         return self.token_versions or [self.weight_version] * len(self.response_ids)
 
     @property
+    def trained_tokens(self) -> int:
+        """The response tokens a loss counts: the model's (all but a multi-turn sample's observations)."""
+        return sum(self.loss_mask) if self.loss_mask else len(self.response_ids)
+
+    @property
     def min_version(self) -> int:
         return min(self.token_versions) if self.token_versions else self.weight_version
 

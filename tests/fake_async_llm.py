@@ -77,24 +77,21 @@ class Logprob:
 @dataclass
 class FlatLogprobs:
     """What `SamplingParams.flat_logprobs=True` gives instead of a dict per position (vllm/logprobs.py:30-150): per
-    position a [start, end) range of flat lists, the sampled token first. `rivals` puts a second token after it at
-    every position (as logprobs=k > 0 would), so a reader that takes the range's first entry is checked."""
+    position a [start, end) range of flat lists, the sampled token first; `of` puts a rival token after it at every
+    position (as logprobs=k > 0 would), so a reader must take the range's first entry."""
     start_indices: list[int] = field(default_factory=list)
     end_indices: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
     @classmethod
-    def of(cls, positions: list[dict[int, "Logprob"]], rivals: bool = True) -> "FlatLogprobs":
+    def of(cls, positions: list[dict[int, "Logprob"]]) -> "FlatLogprobs":
         flat = cls()
         for pos in positions:
             flat.start_indices.append(len(flat.logprobs))
             for t, l in pos.items():
-                flat.token_ids.append(t)
-                flat.logprobs.append(l.logprob)
-                if rivals:
-                    flat.token_ids.append(t + 1)
-                    flat.logprobs.append(l.logprob - 1.0)
+                flat.token_ids += [t, t + 1]
+                flat.logprobs += [l.logprob, l.logprob - 1.0]
             flat.end_indices.append(len(flat.logprobs))
         return flat
 

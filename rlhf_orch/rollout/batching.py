@@ -50,8 +50,7 @@ def assemble(groups: list[Group], trained_version: int, max_staleness: int, algo
     check_versions(samples, trained_version, max_staleness)
     reward_t = torch.tensor(rewards)
     group_ids = torch.tensor([s.prompt_index for s in samples])
-    # the loss tokens (reinforce_pp_baseline): multi-turn samples' observations are not trained
-    lengths = torch.tensor([sum(s.loss_mask) if s.loss_mask else len(s.response_ids) for s in samples])
+    lengths = torch.tensor([s.trained_tokens for s in samples])   # the loss tokens (reinforce_pp_baseline)
     adv = algorithm.outcome_advantages(reward_t, group_ids, response_lengths=lengths)   # dense: outcome algorithms take its sum
     batch = build_train_batch(samples, adv, pad_id, rewards=reward_t)
     if per_token:

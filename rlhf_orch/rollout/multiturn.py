@@ -85,11 +85,8 @@ TOOLS: dict[str, Callable[[], Tool]] = {"calculator": Calculator}
 
 @dataclasses.dataclass
 class _Trajectory:
-    context: list[int]          # prompt + response so far: what the next turn is generated from
-    prompt_len: int
-    sample: Sample              # the first turn's sample, grown turn by turn
-    mask: list[int]
-    versions: list[int]
+    sample: Sample              # the first turn's sample, grown turn by turn (its ids, mask and versions)
+    last_turn: list[int]        # the ids of the model's latest turn, which the tool reads
     stats: dict[str, int]
     done: bool = False
 
@@ -120,30 +117,29 @@ class MultiTurn:
                 own = each[t.sample.prompt_index]
                 ps.append(dataclasses.replace(own, n=1, max_new_tokens=min(own.max_new_tokens, self._room(t)),
                                               seed=None if own.seed is None else own.seed + 7919 * turn + i))
-            for t, s in zip(live, self._generate([list(t.context) for t in live], ps)):
+            for t, s in zip(live, self._generate([t.sample.prompt_ids + t.sample.response_ids for t in live], ps)):
                 self._extend(t, s)
         return [self._finish(t) for t in trajs]
 
     # ---- one trajectory ---------------------------------------------------------------------------
     def _start(self, s: Sample) -> _Trajectory:
-        t = _Trajectory(context=list(s.prompt_ids), prompt_len=len(s.prompt_ids),
-                        sample=dataclasses.replace(s, response_ids=[], logprobs=[], token_versions=[]),
-                        mask=[], versions=[], stats={"turns": 0, "tool_calls": 0, "tool_errors": 0,
-                                                     "observation_tokens": 0, "truncated": 0})
+        t = _Trajectory(sample=dataclasses.replace(s, response_ids=[], logprobs=[], token_versions=[], loss_mask=[]),
+                        last_turn=[], stats={"turns": 0, "tool_calls": 0, "tool_errors": 0,
+                                             "observation_tokens": 0, "truncated": 0})
         self._extend(t, s)
         return t
 
     def _room(self, t: _Trajectory) -> int:
-        return self.max_total_tokens - (len(t.context) - t.prompt_len)
+        return self.max_total_tokens - len(t.sample.response_ids)
 
     def _extend(self, t: _Trajectory, s: Sample) -> None:
         """Append a model turn, exactly the engine's ids, logprobs and versions."""
         t.stats["turns"] += 1
-        t.context += s.response_ids
+        t.last_turn = list(s.response_ids)
         t.sample.response_ids += s.response_ids
         t.sample.logprobs += s.logprobs
-        t.versions += s.versions
-        t.mask += [1] * len(s.response_ids)
+        t.sample.token_versions += s.versions
+        t.sample.loss_mask += [1] * len(s.response_ids)
         t.sample.finish_reason = s.finish_reason
         t.sample.weight_version = min(t.sample.weight_version, s.weight_version)
         t.sample.engine = s.engine
@@ -154,9 +150,8 @@ class MultiTurn:
     def _observe(self, t: _Trajectory) -> bool:
         """Run the tool on the last turn's text (there is room for another turn); append its observation. False:
         the trajectory ends here."""
-        turn_ids = t.context[len(t.context) - self._last_turn_len(t):]
         try:
-            obs = self.tool(self.decode(turn_ids))
+            obs = self.tool(self.decode(t.last_turn))
         except ToolError as e:
             obs, t.stats["tool_errors"] = f"={e} ", t.stats["tool_errors"] + 1
         except Exception as e:   # a broken tool answers with its error; the run goes on
@@ -170,27 +165,16 @@ class MultiTurn:
         room = self._room(t)
         if len(ids) >= room:   # no room left for a turn after it: the observation is cut, the trajectory ends
             ids, t.done, t.sample.finish_reason, t.stats["truncated"] = ids[:room], True, "length", 1
-        t.context += ids
-        t.sample.response_ids += ids
-        t.sample.logprobs += [0.0] * len(ids)
-        t.versions += [t.versions[-1] if t.versions else t.sample.weight_version] * len(ids)
-        t.mask += [0] * len(ids)
+        s = t.sample
+        s.token_versions += [s.token_versions[-1] if s.token_versions else s.weight_version] * len(ids)
+        s.response_ids += ids
+        s.logprobs += [0.0] * len(ids)
+        s.loss_mask += [0] * len(ids)
         t.stats["observation_tokens"] += len(ids)
         return not t.done
 
-    @staticmethod
-    def _last_turn_len(t: _Trajectory) -> int:
-        n = 0
-        for m in reversed(t.mask):
-            if not m:
-                break
-            n += 1
-        return n
-
     def _finish(self, t: _Trajectory) -> Sample:
         s = t.sample
-        s.token_versions = t.versions
-        s.loss_mask = t.mask
         s.turn_stats = dict(t.stats)
         s.text = self.decode(s.response_ids)
         return s
