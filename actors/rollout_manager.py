@@ -279,9 +279,10 @@ class RolloutManager:
         max_staleness >= 1, where each group samples from its own seed (`group_seed`): its samples then depend on
         neither the engine nor what it generated before."""
         base = self.params[engine]
-        if self.rollout.final_outputs and not self.rollout.partial_rollouts:
+        if self.rollout.final_outputs is not False and not self.rollout.partial_rollouts:
             # only partial rollouts pause ("keep") with weights changing under a running request: without them a
-            # streaming engine may hand back each request once it ends (engines/base.SamplingParams.per_token_versions)
+            # streaming engine may hand back each request once it ends (engines/base.SamplingParams.per_token_versions);
+            # default (None) on: same speed, shorter pauses (bench/RESULTS.md, twelfth session)
             base = dataclasses.replace(base, per_token_versions=False)
         seeded = self.sched.deterministic and self.rollout.max_staleness >= 1
         if not seeded and not any("max_new_tokens" in g.prompt.row or "ignore_eos" in g.prompt.row for g in groups):

@@ -1,7 +1,8 @@
 """Whole-step throughput of streaming rollouts: the synchronous loop vs max_staleness 1 vs 1 + partial rollouts vs 1
 with every weight sync on the trainer's path (k1s: weight_sync.overlap off; k1 and k1p overlap it, the default) vs 1
 with running requests aborted at each sync (k1a; k1's running_requests auto waits for them, its sync being overlapped);
-syncf / k1f are sync / k1 with rollout.final_outputs (vLLM hands back each request only at its end).
+syncf / k1f are sync / k1 with rollout.final_outputs: true (vLLM hands back each request only at its end, as the default
+does without partial rollouts); syncd / k1d stream every token (final_outputs: false).
 
     python bench/async_rl.py --out bench/RESULTS_async.md     # nvidia-h200-x2: trainer GPU 0, streaming vLLM GPU 1
     python bench/async_rl.py --colocated                      # one GPU: vLLM beside the trainer, CUDA IPC sync
@@ -63,8 +64,11 @@ MODES = {"sync": dict(max_staleness=0, partial_rollouts=False), "k1": dict(max_s
          # the sync overlaps training; k1s aborts: its sync is on the trainer's path)
          "k1a": dict(max_staleness=1, partial_rollouts=False, running_requests="abort"),
          # rollout.final_outputs: vLLM hands back each request at its end (FINAL_ONLY), nothing per token on its loop
+         # (the default without partial rollouts since the twelfth session); syncd / k1d stream every token's delta
          "syncf": dict(max_staleness=0, partial_rollouts=False, final_outputs=True),
-         "k1f": dict(max_staleness=1, partial_rollouts=False, final_outputs=True)}
+         "k1f": dict(max_staleness=1, partial_rollouts=False, final_outputs=True),
+         "syncd": dict(max_staleness=0, partial_rollouts=False, final_outputs=False),
+         "k1d": dict(max_staleness=1, partial_rollouts=False, final_outputs=False)}
 
 
 def reward(response: str, row: dict) -> float:

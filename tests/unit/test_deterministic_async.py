@@ -63,8 +63,9 @@ def test_pause_mode_of_a_rollout_section_with_auto_left_to_resolve():
 
 
 def test_final_outputs_reach_the_engines_params_only_where_no_keep_pause_comes():
-    """rollout.final_outputs: the manager's per-call params ask for per-token versions unless it is on, and a
-    benchmark's section with partial rollouts (a keep pause) streams them whatever final_outputs says."""
+    """rollout.final_outputs: the manager's per-call params ask for per-token versions only where it is false or
+    partial rollouts may keep a request through a sync (a benchmark's section with partial rollouts streams them
+    whatever final_outputs says); the default (None) hands each request back at its end."""
     params = RolloutManager.__ray_metadata__.modified_class._params
     cfg = load_config(TINY, ["rollout.max_staleness=1"])
     groups = [types.SimpleNamespace(prompt=types.SimpleNamespace(row={}), gid=0, attempts=1)]
@@ -74,8 +75,9 @@ def test_final_outputs_reach_the_engines_params_only_where_no_keep_pause_comes()
                                    rollout=cfg.rollout.model_copy(update=rollout),
                                    sched=types.SimpleNamespace(deterministic=False))
         return params(me, "e", groups).per_token_versions
-    assert per_token() and not per_token(final_outputs=True)
-    assert per_token(final_outputs=True, partial_rollouts=True)
+    assert cfg.rollout.final_outputs is None
+    assert not per_token() and not per_token(final_outputs=True) and per_token(final_outputs=False)
+    assert per_token(partial_rollouts=True) and per_token(final_outputs=True, partial_rollouts=True)
 
 
 def test_auto_waits_with_one_warning_naming_an_engine_that_cannot_stop(tmp_path, config_warnings):
