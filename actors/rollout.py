@@ -25,6 +25,7 @@ from rlhf_orch.engines import SamplingParams, engine_class, engine_options
 from rlhf_orch.engines.base import streams_over
 from rlhf_orch.errors import EngineError
 from rlhf_orch.gpu_memory import devices_used_gb
+from rlhf_orch.rollout.agent import AgentRunner, resolve_agent
 from rlhf_orch.rollout.multiturn import TOOLS, MultiTurn
 from rlhf_orch.weight_sync import WeightReceiver
 from rlhf_orch.weight_sync.abort import AbortFlag
@@ -34,16 +35,24 @@ from rlhf_orch.weight_sync.replay import LoadReplay
 @ray.remote(max_concurrency=64)
 class RolloutActor:
     def __init__(self, name: str, ecfg: EngineConfig, device: str, device_id: str, model_path: str, dtype: str,
-                 seed: int, hooks: dict | None = None, multi_turn: MultiTurnSection | None = None):
+                 seed: int, hooks: dict | None = None, multi_turn: MultiTurnSection | None = None,
+                 agent: str | None = None):
         """The engine its typed section describes (rlhf_orch/engines.engine_options), on `device_id`; `hooks`: test
         hooks (rlhf_orch.engines.hooks_from_env, read by the driver); `multi_turn`: rollout.multi_turn, whose
-        trajectories (rlhf_orch/rollout/multiturn.py) each generate call then returns."""
+        trajectories (rlhf_orch/rollout/multiturn.py) each generate call then returns; `agent`: rollout.agent, whose
+        function runs each sample (rlhf_orch/rollout/agent.py) within multi_turn's limits."""
         setup_process(device)
         self.name = name
         kind, kwargs = engine_options(ecfg, model_path, dtype, seed, hooks)
         self.engine = engine_class(kind)(name=name, device=device, device_id=device_id, **kwargs)
-        self.turns = None
-        if multi_turn is not None:
+        self.turns = self.agent = None
+        if agent is not None:
+            mt = multi_turn
+            self.agent = AgentRunner(self.engine.generate, resolve_agent(agent), AutoTokenizer.from_pretrained(model_path),
+                                     {name: make() for name, make in TOOLS.items()}, mt.max_turns,
+                                     mt.total_tokens(ecfg.sampling.max_new_tokens), mt.max_observation_tokens,
+                                     mt.tool_timeout_s)
+        elif multi_turn is not None:
             tok = AutoTokenizer.from_pretrained(model_path)
             self.turns = MultiTurn(self.engine.generate, TOOLS[multi_turn.tool](),
                                    lambda text: tok.encode(text, add_special_tokens=False),
@@ -90,18 +99,20 @@ class RolloutActor:
             return not self._calls
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, ticket: int | None = None,
-                 version: int | None = None):
-        """Samples and timing of one call (`_generate`), counted while it is here (`wait_idle`)."""
+                 version: int | None = None, rows: list[dict] | None = None):
+        """Samples and timing of one call (`_generate`), counted while it is here (`wait_idle`); `rows`: the prompts'
+        dataset rows, which an agent function reads."""
         with self._gate:
             self._calls += 1
         try:
-            return self._generate(prompts, params, ticket, version)
+            return self._generate(prompts, params, ticket, version, rows)
         finally:
             with self._gate:
                 self._calls -= 1
                 self._gate.notify_all()
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams, ticket: int | None, version: int | None):
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, ticket: int | None, version: int | None,
+                  rows: list[dict] | None = None):
         """Samples and timing of one call. Calls arriving during a sync wait for its end. `ticket` (the manager's
         dispatch number for this engine, rollout.deterministic) makes calls enter in dispatch order, and a ticketed
         call counts for a "wait" pause from its arrival, queued or not: a sync then waits for every call dispatched
@@ -142,7 +153,10 @@ class RolloutActor:
                                   f"version {version} reached the engine at version {self.engine.weight_version} (it "
                                   "arrived after a sync began), so this run would not be reproducible; please report it")
             start, t0 = time.time(), time.perf_counter()
-            samples = (self.turns or self.engine).generate(prompts, params)
+            if self.agent is not None:
+                samples = self.agent.generate(prompts, params, rows if rows is not None else [{}] * len(prompts))
+            else:
+                samples = (self.turns or self.engine).generate(prompts, params)
             secs = time.perf_counter() - t0
         finally:
             with self._gate:

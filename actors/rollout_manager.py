@@ -249,7 +249,8 @@ class RolloutManager:
         try:
             prompts = [g.prompt.token_ids for g in groups]
             call = self.engines[engine].generate
-            samples, stats = await call.remote(prompts, self._params(engine, groups), ticket, version)
+            rows = [g.prompt.row for g in groups] if self.rollout.agent else None   # an agent function reads its row
+            samples, stats = await call.remote(prompts, self._params(engine, groups), ticket, version, rows)
         except Exception as e:
             if engine not in self.engines:   # declared dead already (a health check): its groups were re-queued
                 return
@@ -304,8 +305,10 @@ class RolloutManager:
         worker = self.rewarders[i]
         if self.cfg.reward.dense:   # a dense function finds the token ids in its row (a copy per sample)
             items = [(smp.text, with_response_ids(g.prompt.row, smp.response_ids)) for g in groups for smp in g.samples]
-        else:
-            items = [(smp.text, g.prompt.row) for g in groups for smp in g.samples]
+        else:   # an agent's own reward goes in its row's copy (rlhf_orch.rewards.builtin:agent_reward)
+            items = [(smp.text, g.prompt.row if smp.agent_reward is None else {**g.prompt.row,
+                                                                               "agent_reward": smp.agent_reward})
+                     for g in groups for smp in g.samples]
         self._reward_load[i] += len(items)
         t0 = time.time()
         try:

@@ -148,7 +148,7 @@ class Cluster(EngineRecovery):
         opts = self.placement.options(bundle, f"{cfg.experiment.name}-engine-{ename}", engine_env(self.env, ecfg))
         return RolloutActor.options(**opts).remote(ename, ecfg, cfg.trainer.device, self.placement.device_id(bundle),
                                                    self.model_path, cfg.model.dtype, seed, hooks_from_env(slot["entry"]),
-                                                   cfg.rollout.multi_turn)
+                                                   cfg.rollout.multi_turn, cfg.rollout.agent)
 
     # ---- rollouts (the manager owns them; the driver holds metadata and object refs) -----------------
     def _rget(self, ref, what: str, timeout: float | None = None):

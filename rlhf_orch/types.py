@@ -47,6 +47,8 @@ class Sample:
     # counts (turns, tool calls and errors, observation tokens, truncated) for the step's metrics.
     loss_mask: list[int] = field(default_factory=list)
     turn_stats: dict[str, int] = field(default_factory=dict)
+    # rollout.agent: the reward the agent function returned (None: reward.function scores the text)
+    agent_reward: float | None = None
 
     @property
     def versions(self) -> list[int]:

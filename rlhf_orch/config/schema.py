@@ -301,6 +301,8 @@ class MultiTurnSection(_Section):
         "and observations); a trajectory that reaches it ends with finish_reason length. Default: max_turns x (the "
         "engine's sampling.max_new_tokens + max_observation_tokens), every turn's whole budget.")
     max_observation_tokens: int = Field(16, ge=1, description="Tokens of one observation at most (cut beyond).")
+    tool_timeout_s: float = Field(10.0, gt=0, description="rollout.agent: seconds a tool call may take; then the turn "
+                                  "gets an error observation (a hung tool never ends the run).")
 
     def total_tokens(self, max_new_tokens: int) -> int:
         """max_total_tokens, or its default for an engine whose turns have `max_new_tokens`."""
@@ -310,7 +312,11 @@ class MultiTurnSection(_Section):
 class RolloutSection(_Section):
     multi_turn: MultiTurnSection | None = Field(None, description="Multi-turn rollouts (rollout/multiturn.py): after "
         "each model turn the tool's observation joins the context (never trained) and the model goes on, token ids "
-        "in, token ids out. Absent: one prompt, one response.")
+        "in, token ids out. Absent: one prompt, one response. With rollout.agent: the agent's limits.")
+    agent: str | None = Field(None, description="An agent function, package.module:function or builtin:calculator / "
+        "builtin:tool_chat: `async def agent(client, row) -> float | None` runs each sample's trajectory through its "
+        "client (rollout/agent.py); rollout.multi_turn holds its limits (defaults when absent). A float it returns is "
+        "the reward with reward.function: builtin:agent_reward.")
     max_staleness: int = Field(0, ge=0, description="Most policy versions a trained token may lag the trained "
                                "weights. 0: on-policy, the synchronous loop exactly; k >= 1: engines generate for later "
                                "steps while the trainer trains.")
@@ -333,6 +339,12 @@ class RolloutSection(_Section):
                                 "signal) and draw more prompts until the step's batch is full.")
     filter_max_draws: float = Field(3.0, ge=1, description="filter_groups: at most this many prompts drawn per prompt "
                                     "trained (a step that hits the cap trains on fewer groups).")
+
+    @model_validator(mode="after")
+    def _agent_limits(self):
+        if self.agent is not None and self.multi_turn is None:   # an agent's trajectories get the default limits
+            self.multi_turn = MultiTurnSection()
+        return self
 
 
 class WeightSyncSection(_Section):

@@ -23,6 +23,7 @@ from rlhf_orch.errors import RewardError
 # `reward.function: null` (or "") is stored as this path, so the config always names an importable function;
 # the scorer recognises it and calls nothing (the reward is then the model's alone).
 NO_FUNCTION = "rlhf_orch.rewards:no_function"
+AGENT_REWARD = "rlhf_orch.rewards.builtin:agent_reward"   # the reward an agent function returned (rollout.agent)
 
 
 def no_function(response: str, row: dict) -> float:
@@ -87,5 +88,5 @@ def load_reward_fn(path: str):
     return fn
 
 
-__all__ = ["BATCHED_ATTR", "DENSE_ATTR", "NO_FUNCTION", "batched", "dense", "is_batched", "is_dense",
+__all__ = ["AGENT_REWARD", "BATCHED_ATTR", "DENSE_ATTR", "NO_FUNCTION", "batched", "dense", "is_batched", "is_dense",
            "load_reward_fn", "no_function", "with_response_ids"]

@@ -52,3 +52,11 @@ def tool_final_answer(response: str, row: dict) -> float:
     called = 0.5 if found and found[-1].group(1) == str(row["sum"]) else 0.0
     answered = 1.0 if final == str(row["sum"]) else max(0.0, char_accuracy(final, {"answer": row["sum"]}))
     return called + 0.5 * answered
+
+
+def agent_reward(response: str, row: dict) -> float:
+    """The reward an agent function returned (rollout.agent; the rollout manager puts it in the row it scores)."""
+    if row.get("agent_reward") is None:
+        raise ValueError("the agent returned None for this sample; with reward.function "
+                         "rlhf_orch.rewards.builtin:agent_reward every agent call must return a float")
+    return float(row["agent_reward"])

@@ -20,7 +20,7 @@ import copy
 import random
 
 from rlhf_orch.errors import RewardError
-from rlhf_orch.rewards import NO_FUNCTION, load_reward_fn, with_response_ids
+from rlhf_orch.rewards import AGENT_REWARD, NO_FUNCTION, load_reward_fn, with_response_ids
 from rlhf_orch.rewards.calls import RewardFunction
 
 DUMMY_RESPONSES = ("", "The answer is 42.")
@@ -38,6 +38,8 @@ def check_reward_function(reward, rows: list[dict], tokenize=None) -> None:
     call = RewardFunction(load_reward_fn(path), path, reward.batch, reward.timeout_s, dense)
     picked = [rows[i % len(rows)] for i in range(len(DUMMY_RESPONSES))]   # one row twice if there is only one
     items = [(response, copy.deepcopy(row)) for response, row in zip(DUMMY_RESPONSES, picked)]
+    if path == AGENT_REWARD:   # what the rollout manager adds to the row of a sample whose agent returned a reward
+        items = [(response, {**row, "agent_reward": 0.0}) for response, row in items]
     if call.dense:
         tokenize = tokenize or (lambda text: list(range(len(text.split()))))   # one id per word, without a tokenizer
         items = [(response, with_response_ids(row, tokenize(response))) for response, row in items]

@@ -66,6 +66,11 @@ class Calculator:
             raise ToolError("calc: too large")
         return f"={value} "   # the space ends the observation: the next turn's text stays apart from it
 
+    @staticmethod
+    def error_text(message: str) -> str:
+        """An error observation in the calculator's own format (MultiTurn's and agents' alike)."""
+        return f"={message} "
+
     def _eval(self, node) -> int:
         if isinstance(node, ast.Constant) and type(node.value) is int:
             return node.value

@@ -44,3 +44,38 @@ def test_multi_turn_run_learns_to_use_the_tool_and_trains_on_the_models_tokens_o
     assert last > first + 0.2 and last > 0.75, (first, last)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["verified_syncs"] == summary["syncs"] == steps + 1 and summary["status"] == "finished"
+
+
+
+async def turns_agent(client, row) -> float:
+    """The calculator loop as an agent function (rollout.agent) that scores its own trajectory by its number of
+    model turns (reward.function: rlhf_orch.rewards.builtin:agent_reward), so the step's mean reward must equal its
+    rollout/turns_mean exactly. It reads its row: the tool's answer must be the row's sum."""
+    while True:
+        turn = await client.generate()
+        if client.done:
+            break
+        obs = await client.tool("calculator", turn.text)
+        if obs is None:
+            break
+        assert obs == f"={row['sum']} " or turn.text != f"calc({row['prompt'][:-1]})", (obs, row)
+        client.observe(obs)
+    return float(client.stats["turns"])
+
+
+def test_an_agent_function_runs_the_trajectories_and_gives_the_rewards(tmp_path):
+    """rollout.agent end to end: the manager sends each group's row to its engine's agent runner, the agent's
+    reward is each sample's (the step's mean reward equals its mean number of turns), with the turn metrics and
+    the token-exactness check of the run above."""
+    steps = 4
+    rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu_tool.yaml"), f"experiment.output_dir={tmp_path}",
+                      "experiment.name=agent", f"experiment.steps={steps}", "trainer.warm_start_steps=300",
+                      "rollout.agent=tests.integration.test_multiturn_run:turns_agent",
+                      "reward.function=rlhf_orch.rewards.builtin:agent_reward", *QUIET])
+    assert rc == 0
+    records = [json.loads(l) for l in (tmp_path / "agent" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        assert r["sync/checksum_ok"] == 1.0 and r["ledger/balanced"] == 1.0
+        assert r["rollout/turns_mean"] > 1.0 and r["rollout/logprob_diff_max"] < 1e-3, r
+        assert r["rollout/reward_mean"] == pytest.approx(r["rollout/turns_mean"], abs=1e-9), r

@@ -1,0 +1,59 @@
+"""Built-in agent functions for `rollout.agent` (rlhf_orch/rollout/agent.py has the client they drive).
+
+    builtin:calculator   the plain-text calculator loop of rollout/multiturn.py as an agent: a turn, the
+                         calculator's observation (`=<value> `), the next turn, until a turn calls no tool or a
+                         limit ends it. Seeded, it makes exactly MultiTurn's trajectories (a test checks it).
+    builtin:tool_chat    a tool-calling loop over the tokenizer's chat template: the row's `messages` (or its
+                         prompt as one user message) with the tools of TOOL_SCHEMAS in OpenAI function format; each
+                         Hermes-style tool call in a turn is run and answered with a `tool` message, until a turn
+                         calls none or a limit ends it.
+
+Both return None: the run's reward function scores the sample's text. Not here: environments with their own state
+(write an agent function), a code tool's schema (rlhf_orch/rollout/sandbox.py registers "python").
+"""
+from __future__ import annotations
+
+from rlhf_orch.rollout.agent import AgentClient
+
+BUILTINS = ("calculator", "tool_chat")
+
+# OpenAI function-call schemas of the built-in tools, and how a call's arguments become the text the tool reads
+TOOL_SCHEMAS = {
+    "calculator": ({"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate an integer expression with + - * and parentheses.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]}}},
+        lambda args: f"calc({args.get('expression', '')})"),
+}
+
+
+async def calculator(client: AgentClient, row: dict) -> None:
+    while True:
+        turn = await client.generate()
+        if client.done:
+            return None
+        obs = await client.tool("calculator", turn.text)
+        if obs is None:
+            return None
+        client.observe(obs)
+
+
+async def tool_chat(client: AgentClient, row: dict) -> None:
+    names = [n for n in TOOL_SCHEMAS if n in client.tool_names]
+    tools = [TOOL_SCHEMAS[n][0] for n in names]
+    if "messages" in row:
+        messages = [dict(m) for m in row["messages"]]
+    else:   # a row's prompt text, or (evaluation calls carry no rows) the prompt's own text
+        messages = [{"role": "user", "content": row.get("prompt", client.prompt_text)}]
+    turn = await client.chat(messages, tools=tools)
+    while not client.done and turn.tool_calls:
+        messages.append({"role": "assistant", "content": turn.text})
+        for call in turn.tool_calls:
+            if call.error or call.name not in names:
+                result = call.error or f"error: no tool {call.name!r}"
+            else:
+                result = await client.tool(call.name, TOOL_SCHEMAS[call.name][1](call.arguments))
+                result = "error: no call" if result is None else result
+            messages.append({"role": "tool", "name": call.name, "content": result})
+        turn = await client.chat(messages, tools=tools)
+    return None
