@@ -294,8 +294,9 @@ class TrainerSection(_Section):
 
 
 class MultiTurnSection(_Section):
-    tool: Literal["calculator"] = Field("calculator", description="The tool that answers a model turn: calculator "
-                                        "reads the turn's last `calc(<expression>)` and answers `=<value> `.")
+    tool: Literal["calculator", "python"] = Field("calculator", description="The tool that answers a model turn: "
+        "calculator reads the turn's last `calc(<expression>)` and answers `=<value> `; python runs the turn's last "
+        "```python block in a sandboxed subprocess (rollout/sandbox.py) and answers with its output.")
     max_turns: int = Field(4, ge=1, description="Model turns per trajectory at most.")
     max_total_tokens: int | None = Field(None, ge=1, description="Response tokens per trajectory at most (model turns "
         "and observations); a trajectory that reaches it ends with finish_reason length. Default: max_turns x (the "

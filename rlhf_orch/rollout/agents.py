@@ -9,7 +9,7 @@
                          calls none or a limit ends it.
 
 Both return None: the run's reward function scores the sample's text. Not here: environments with their own state
-(write an agent function), a code tool's schema (rlhf_orch/rollout/sandbox.py registers "python").
+(write an agent function).
 """
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ TOOL_SCHEMAS = {
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                        "required": ["expression"]}}},
         lambda args: f"calc({args.get('expression', '')})"),
+    "python": ({"type": "function", "function": {
+        "name": "python", "description": "Run a Python program (standard library only, no network, no files outside "
+                                         "its folder, a few seconds); answers with what it printed.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}},
+        lambda args: f"```python\n{args.get('code', '')}\n```"),
 }
 
 

@@ -16,7 +16,8 @@ finish_reason "abort", so the scheduler re-queues its whole group, as for a sing
 answers with an error observation; it never ends the run.
 
 Built in: `Calculator`, a tool called as `calc(<expression>)` in a turn's text (integers, + - * and parentheses),
-whose observation is `=<value> ` (the space keeps the next turn's text apart). Not here (issue #29's later parts): agent functions, chat templates and OpenAI-style
+whose observation is `=<value> ` (the space keeps the next turn's text apart); "python", rollout/sandbox.py's
+PythonSandbox (a turn's last ```python block run in a limited subprocess). Not here (issue #29's later parts): agent functions, chat templates and OpenAI-style
 tool schemas, the sandboxed code tool, the OpenAI endpoint, partial rollouts across turns.
 """
 from __future__ import annotations
@@ -85,7 +86,14 @@ class Calculator:
         raise ValueError(f"{type(node).__name__} not allowed")
 
 
-TOOLS: dict[str, Callable[[], Tool]] = {"calculator": Calculator}
+def python_sandbox() -> Tool:
+    """rollout/sandbox.PythonSandbox with its defaults. Imported here, not at the top: sandbox.py imports ToolError
+    from this module."""
+    from rlhf_orch.rollout.sandbox import PythonSandbox
+    return PythonSandbox()
+
+
+TOOLS: dict[str, Callable[[], Tool]] = {"calculator": Calculator, "python": python_sandbox}
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ from rlhf_orch.errors import ConfigError, RolloutError
 from rlhf_orch.models import build_tokenizer
 from rlhf_orch.rollout import agents
 from rlhf_orch.rollout.agent import AgentRunner, parse_tool_calls, resolve_agent
-from rlhf_orch.rollout.multiturn import Calculator, MultiTurn
+from rlhf_orch.rollout.multiturn import TOOLS, Calculator, MultiTurn
 from rlhf_orch.types import Sample
 from test_multiturn import Scripted, dec, enc, split
 
@@ -303,3 +303,17 @@ def test_chat_refuses_a_tokenizer_without_a_template():
     with pytest.raises(RolloutError, match="needs a tokenizer with a chat template"):
         run_one(chatty)
 
+
+
+def test_tool_chat_runs_the_python_sandbox_through_its_schema():
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'
+    model, tok = ChatModel([call, "42"]), ChatTok()
+    tools = {name: make() for name, make in TOOLS.items()}
+    s, = AgentRunner(model.generate, agents.tool_chat, tok, tools, max_turns=3, max_total_tokens=600,
+                     max_observation_tokens=300, tool_timeout_s=20).generate(
+        [[0]], SamplingParams(max_new_tokens=200), [{"prompt": "6*7?"}])
+    obs = tok.decode([ids for m, ids in split(s) if m == 0][0], False)
+    assert obs == "\n<|im_start|>tool\n<output>\n42\n</output>\n<|im_end|>\n<|im_start|>assistant\n"
+    assert s.turn_stats["tool_calls"] == 1 and s.turn_stats["tool_errors"] == 0
+    system = tok.decode(s.prompt_ids, False).split("\n")[1]
+    assert system == 'tools: ["calculator", "python"]<|im_end|>'   # both schemas offered
