@@ -11,6 +11,7 @@ wait for its end (instead of failing), and serialises them for engines that take
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -27,6 +28,7 @@ from rlhf_orch.errors import EngineError
 from rlhf_orch.gpu_memory import devices_used_gb
 from rlhf_orch.rollout.agent import AgentRunner, resolve_agent
 from rlhf_orch.rollout.multiturn import TOOLS, MultiTurn
+from rlhf_orch.rollout.openai_server import OpenAIEndpoint
 from rlhf_orch.weight_sync import WeightReceiver
 from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.replay import LoadReplay
@@ -36,22 +38,27 @@ from rlhf_orch.weight_sync.replay import LoadReplay
 class RolloutActor:
     def __init__(self, name: str, ecfg: EngineConfig, device: str, device_id: str, model_path: str, dtype: str,
                  seed: int, hooks: dict | None = None, multi_turn: MultiTurnSection | None = None,
-                 agent: str | None = None):
+                 agent: str | None = None, openai_endpoint: bool = False):
         """The engine its typed section describes (rlhf_orch/engines.engine_options), on `device_id`; `hooks`: test
         hooks (rlhf_orch.engines.hooks_from_env, read by the driver); `multi_turn`: rollout.multi_turn, whose
         trajectories (rlhf_orch/rollout/multiturn.py) each generate call then returns; `agent`: rollout.agent, whose
-        function runs each sample (rlhf_orch/rollout/agent.py) within multi_turn's limits."""
+        function runs each sample (rlhf_orch/rollout/agent.py) within multi_turn's limits; `openai_endpoint`: serve
+        the agents an OpenAI-compatible endpoint from this process (rlhf_orch/rollout/openai_server.py)."""
         setup_process(device)
         self.name = name
         kind, kwargs = engine_options(ecfg, model_path, dtype, seed, hooks)
         self.engine = engine_class(kind)(name=name, device=device, device_id=device_id, **kwargs)
-        self.turns = self.agent = None
+        self.turns = self.agent = self.endpoint = None
         if agent is not None:
             mt = multi_turn
+            if openai_endpoint:
+                logging.getLogger("httpx").setLevel(logging.WARNING)   # an OpenAI client logs every call at INFO
+                self.endpoint = OpenAIEndpoint()
+                self.endpoint.start()
             self.agent = AgentRunner(self.engine.generate, resolve_agent(agent), AutoTokenizer.from_pretrained(model_path),
                                      {name: make() for name, make in TOOLS.items()}, mt.max_turns,
                                      mt.total_tokens(ecfg.sampling.max_new_tokens), mt.max_observation_tokens,
-                                     mt.tool_timeout_s)
+                                     mt.tool_timeout_s, self.endpoint)
         elif multi_turn is not None:
             tok = AutoTokenizer.from_pretrained(model_path)
             self.turns = MultiTurn(self.engine.generate, TOOLS[multi_turn.tool](),
@@ -75,6 +82,10 @@ class RolloutActor:
         self.caps = self.engine.capabilities   # declared by the engine kind (engines/base.Capabilities)
         self._concurrent = self.caps.concurrent_generate
         self.abort_flag: AbortFlag | None = None   # made at setup_receiver: the coordinator's abort_sync ends a sync
+
+    def endpoint_url(self) -> str | None:
+        """The OpenAI-compatible endpoint's base (rollout.openai_endpoint), or None."""
+        return None if self.endpoint is None else self.endpoint.base
 
     def device_ids(self) -> list[str]:
         return self.engine.device_ids()

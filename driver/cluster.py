@@ -8,6 +8,7 @@ coordinator and manager replaced in place), the overlapped sync, colocation hand
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -127,6 +128,8 @@ class Cluster(EngineRecovery):
             logger.info("%s (%.0f s since Ray was up)", what, time.perf_counter() - t0)
         get([e.device_ids.remote() for e in self.engines.values()], self.timeout, "engines to start", EngineError)
         stage(f"engines up: {', '.join(self.engines)}")
+        if cfg.rollout.openai_endpoint:
+            self.write_endpoints()
         self.colocation = Colocation(self.trainers, self.engines, sleep_levels, cfg.trainer.offload, device, self.timeout)
         self.colocation.start()
         self.trainers.init(model_path, cfg, trainers_starting)   # each rank builds its model from the typed config
@@ -148,7 +151,16 @@ class Cluster(EngineRecovery):
         opts = self.placement.options(bundle, f"{cfg.experiment.name}-engine-{ename}", engine_env(self.env, ecfg))
         return RolloutActor.options(**opts).remote(ename, ecfg, cfg.trainer.device, self.placement.device_id(bundle),
                                                    self.model_path, cfg.model.dtype, seed, hooks_from_env(slot["entry"]),
-                                                   cfg.rollout.multi_turn, cfg.rollout.agent)
+                                                   cfg.rollout.multi_turn, cfg.rollout.agent, cfg.rollout.openai_endpoint)
+
+    def write_endpoints(self) -> None:
+        """rollout.openai_endpoint: each engine's OpenAI-compatible endpoint, logged and in openai_endpoints.json
+        (agents reach theirs through client.base_url; the file is for people and tools that watch the run)."""
+        urls = dict(zip(self.engines, get([e.endpoint_url.remote() for e in self.engines.values()], self.timeout,
+                                          "engines' endpoints", EngineError)))
+        (self.run_dir / "openai_endpoints.json").write_text(json.dumps(urls, indent=2))
+        for name, url in urls.items():
+            logger.info("engine %s: OpenAI-compatible endpoint %s (per sample: %s/s/<key>/v1)", name, url, url)
 
     # ---- rollouts (the manager owns them; the driver holds metadata and object refs) -----------------
     def _rget(self, ref, what: str, timeout: float | None = None):

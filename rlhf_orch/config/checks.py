@@ -458,6 +458,9 @@ def rollout_problems(cfg: ExperimentConfig) -> list[str]:
     if cfg.reward.function == AGENT_REWARD and r.agent is None:
         p.append(f"reward.function: {AGENT_REWARD} scores the rewards an agent function returns; set rollout.agent "
                  "or give another reward function")
+    if r.openai_endpoint and r.agent is None:
+        p.append("rollout.openai_endpoint: the endpoint serves agent code; set rollout.agent (an agent function that "
+                 "uses client.base_url) or remove openai_endpoint")
     if r.agent is not None:
         try:
             resolve_agent(r.agent)

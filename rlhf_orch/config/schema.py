@@ -318,6 +318,10 @@ class RolloutSection(_Section):
         "builtin:tool_chat: `async def agent(client, row) -> float | None` runs each sample's trajectory through its "
         "client (rollout/agent.py); rollout.multi_turn holds its limits (defaults when absent). A float it returns is "
         "the reward with reward.function: builtin:agent_reward.")
+    openai_endpoint: bool = Field(False, description="rollout.agent: each engine process serves /v1/chat/completions "
+        "and /v1/completions on 127.0.0.1 (a free port; the run folder's openai_endpoints.json), and each sample has "
+        "its own base URL (client.base_url): agent code written for the OpenAI client runs unchanged, every call "
+        "recorded into its sample's trajectory as token ids (rollout/openai_server.py).")
     max_staleness: int = Field(0, ge=0, description="Most policy versions a trained token may lag the trained "
                                "weights. 0: on-policy, the synchronous loop exactly; k >= 1: engines generate for later "
                                "steps while the trainer trains.")

@@ -114,6 +114,7 @@ class AgentClient:
         self.done, self.reason = False, ""
         self.stats = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "observation_tokens": 0, "truncated": 0}
         self._history: list[dict] | None = None   # chat: the messages rendered so far (model turns included)
+        self.key: str | None = None               # its key on the OpenAI endpoint, while it runs
 
     # ---- the trajectory ---------------------------------------------------------------------------
     @property
@@ -204,7 +205,8 @@ class AgentClient:
         return obs
 
     # ---- chat -------------------------------------------------------------------------------------
-    async def chat(self, messages: list[dict], tools: list[dict] | None = None) -> Turn:
+    async def chat(self, messages: list[dict], tools: list[dict] | None = None,
+                   max_new_tokens: int | None = None) -> Turn:
         render = self._runner.render
         if self._history is None:
             if self.sample is not None:
@@ -216,16 +218,39 @@ class AgentClient:
                 return Turn("", [], "done")
             prev = self._history   # ends with the model's last turn, as an assistant message
             n = len(prev)
-            if [m.get("content") for m in messages[:n - 1]] != [m.get("content") for m in prev[:n - 1]]:
+            said = lambda ms: [(m.get("role"), m.get("content")) for m in ms if m.get("role") != "assistant"]
+            if said(messages[:n - 1]) != said(prev[:n - 1]):   # assistant turns are the model's: the client's own
                 raise RolloutError("agent: chat() messages must continue the conversation so far (the same first "
                                    f"{n - 1} messages)")
             new = list(messages[n:] if len(messages) >= n and messages[n - 1].get("role") == "assistant"
                        else messages[n - 1:])
             self.observe(self._glue(prev, new))
             self._history = prev + new
-        turn = await self.generate()
+        turn = await self.generate(max_new_tokens)
         self._history.append({"role": "assistant", "content": turn.text})
         return turn
+
+    async def complete(self, prompt: str, max_new_tokens: int | None = None) -> Turn:
+        """A text completion (the endpoint's /v1/completions): the first call's `prompt` starts the trajectory; a
+        later one must extend the trajectory's text so far (special tokens left out), and what it adds joins as an
+        observation; then a model turn."""
+        if self.sample is None:
+            self.prompt_ids = self._runner.encode(prompt)
+        elif not self.done:
+            so_far = self._runner.decode(self.context)
+            if not prompt.startswith(so_far):
+                raise RolloutError("agent: a completion's prompt must extend the trajectory's text so far (its last "
+                                   "prompt plus the text returned), which keeps the model's tokens")
+            if prompt[len(so_far):]:
+                self.observe(prompt[len(so_far):])
+        return await self.generate(max_new_tokens)
+
+    @property
+    def base_url(self) -> str:
+        """This sample's OpenAI-compatible base URL (rollout.openai_endpoint: true; rollout/openai_server.py)."""
+        if self._runner.endpoint is None or self.key is None:
+            raise RolloutError("agent: client.base_url needs rollout.openai_endpoint: true")
+        return self._runner.endpoint.url(self.key)
 
     def _glue(self, prev: list[dict], new: list[dict]) -> str:
         """The text between the model's last turn (prev[-1]) and the next generation: the template's end of the
@@ -251,8 +276,9 @@ class AgentRunner:
 
     def __init__(self, generate_fn: Callable[[list[list[int]], object], list[Sample]], agent: AgentFn, tokenizer,
                  tools: dict[str, Callable[[str], str | None]], max_turns: int, max_total_tokens: int,
-                 max_observation_tokens: int, tool_timeout_s: float):
+                 max_observation_tokens: int, tool_timeout_s: float, endpoint=None):
         self._generate, self.agent, self.tok, self.tools = generate_fn, agent, tokenizer, tools
+        self.endpoint = endpoint   # rollout/openai_server.OpenAIEndpoint, started, or None
         self.max_turns, self.max_total_tokens, self.max_obs = max_turns, max_total_tokens, max_observation_tokens
         self.tool_timeout_s = tool_timeout_s
         self.eos_text = tokenizer.eos_token or ""
@@ -284,7 +310,15 @@ class AgentRunner:
                 one = dataclasses.replace(own, n=1, seed=None if own.seed is None else own.seed + j)
                 clients.append(AgentClient(self, len(clients), i, list(p), one, own.seed))
         self._live = len(clients)
-        results = await asyncio.gather(*(self._one(c, rows[c.index]) for c in clients))
+        if self.endpoint is not None:
+            for c in clients:
+                c.key = self.endpoint.register(c, asyncio.get_running_loop())
+        try:
+            results = await asyncio.gather(*(self._one(c, rows[c.index]) for c in clients))
+        finally:
+            for c in clients:
+                if c.key is not None:
+                    self.endpoint.unregister(c.key)
         return [self._finish(c, r) for c, r in zip(clients, results)]
 
     async def _one(self, client: AgentClient, row: dict):

@@ -13,6 +13,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,27 +51,31 @@ def test_multi_turn_run_learns_to_use_the_tool_and_trains_on_the_models_tokens_o
 async def turns_agent(client, row) -> float:
     """The calculator loop as an agent function (rollout.agent) that scores its own trajectory by its number of
     model turns (reward.function: rlhf_orch.rewards.builtin:agent_reward), so the step's mean reward must equal its
-    rollout/turns_mean exactly. It reads its row: the tool's answer must be the row's sum."""
-    while True:
-        turn = await client.generate()
-        if client.done:
-            break
-        obs = await client.tool("calculator", turn.text)
+    rollout/turns_mean exactly. Its first turn comes through the OpenAI client and the engine's endpoint
+    (rollout.openai_endpoint), the others through the client itself. It reads its row: the tool's answer must be
+    the row's sum."""
+    oai = openai.AsyncOpenAI(base_url=client.base_url, api_key="none", max_retries=0)
+    text = (await oai.completions.create(model="policy", prompt=row["prompt"])).choices[0].text
+    await oai.close()
+    while not client.done:
+        obs = await client.tool("calculator", text)
         if obs is None:
             break
-        assert obs == f"={row['sum']} " or turn.text != f"calc({row['prompt'][:-1]})", (obs, row)
+        assert obs == f"={row['sum']} " or text != f"calc({row['prompt'][:-1]})", (obs, row)
         client.observe(obs)
+        text = (await client.generate()).text
     return float(client.stats["turns"])
 
 
 def test_an_agent_function_runs_the_trajectories_and_gives_the_rewards(tmp_path):
     """rollout.agent end to end: the manager sends each group's row to its engine's agent runner, the agent's
-    reward is each sample's (the step's mean reward equals its mean number of turns), with the turn metrics and
-    the token-exactness check of the run above."""
+    reward is each sample's (the step's mean reward equals its mean number of turns), each engine serves an
+    OpenAI-compatible endpoint (listed in the run folder), with the turn metrics and the token-exactness check of
+    the run above."""
     steps = 4
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu_tool.yaml"), f"experiment.output_dir={tmp_path}",
                       "experiment.name=agent", f"experiment.steps={steps}", "trainer.warm_start_steps=300",
-                      "rollout.agent=tests.integration.test_multiturn_run:turns_agent",
+                      "rollout.agent=tests.integration.test_multiturn_run:turns_agent", "rollout.openai_endpoint=true",
                       "reward.function=rlhf_orch.rewards.builtin:agent_reward", *QUIET])
     assert rc == 0
     records = [json.loads(l) for l in (tmp_path / "agent" / "metrics.jsonl").read_text().splitlines()]
@@ -79,3 +84,5 @@ def test_an_agent_function_runs_the_trajectories_and_gives_the_rewards(tmp_path)
         assert r["sync/checksum_ok"] == 1.0 and r["ledger/balanced"] == 1.0
         assert r["rollout/turns_mean"] > 1.0 and r["rollout/logprob_diff_max"] < 1e-3, r
         assert r["rollout/reward_mean"] == pytest.approx(r["rollout/turns_mean"], abs=1e-9), r
+    urls = json.loads((tmp_path / "agent" / "openai_endpoints.json").read_text())
+    assert sorted(urls) == ["colocated", "dedicated"] and all(u.startswith("http://127.0.0.1:") for u in urls.values())
