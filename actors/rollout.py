@@ -21,12 +21,12 @@ import ray
 from actors.common import kill_descendants, setup_process
 from transformers import AutoTokenizer
 
-from rlhf_orch.config.schema import EngineConfig, MultiTurnSection
+from rlhf_orch.config.schema import EngineConfig, RolloutSection
 from rlhf_orch.engines import SamplingParams, engine_class, engine_options
 from rlhf_orch.engines.base import streams_over
 from rlhf_orch.errors import EngineError
 from rlhf_orch.gpu_memory import devices_used_gb
-from rlhf_orch.rollout.agent import AgentRunner, resolve_agent
+from rlhf_orch.rollout.agent import AgentRunner, agent_table, resolve_agent
 from rlhf_orch.rollout.multiturn import TOOLS, MultiTurn
 from rlhf_orch.rollout.openai_server import OpenAIEndpoint
 from rlhf_orch.weight_sync import WeightReceiver
@@ -37,35 +37,37 @@ from rlhf_orch.weight_sync.replay import LoadReplay
 @ray.remote(max_concurrency=64)
 class RolloutActor:
     def __init__(self, name: str, ecfg: EngineConfig, device: str, device_id: str, model_path: str, dtype: str,
-                 seed: int, hooks: dict | None = None, multi_turn: MultiTurnSection | None = None,
-                 agent: str | None = None, openai_endpoint: bool = False):
+                 seed: int, hooks: dict | None = None, rollout: RolloutSection | None = None,
+                 agent_key: str = "agent_name"):
         """The engine its typed section describes (rlhf_orch/engines.engine_options), on `device_id`; `hooks`: test
-        hooks (rlhf_orch.engines.hooks_from_env, read by the driver); `multi_turn`: rollout.multi_turn, whose
-        trajectories (rlhf_orch/rollout/multiturn.py) each generate call then returns; `agent`: rollout.agent, whose
-        function runs each sample (rlhf_orch/rollout/agent.py) within multi_turn's limits; `openai_endpoint`: serve
-        the agents an OpenAI-compatible endpoint from this process (rlhf_orch/rollout/openai_server.py)."""
+        hooks (rlhf_orch.engines.hooks_from_env, read by the driver); `rollout`: the run's section, whose multi_turn
+        trajectories (rlhf_orch/rollout/multiturn.py) or agent functions (rlhf_orch/rollout/agent.py, routed by the
+        row's name at `agent_key`, data.agent_key) each generate call then returns; with openai_endpoint this
+        process serves the agents an OpenAI-compatible endpoint (rlhf_orch/rollout/openai_server.py)."""
         setup_process(device)
         self.name = name
         kind, kwargs = engine_options(ecfg, model_path, dtype, seed, hooks)
         self.engine = engine_class(kind)(name=name, device=device, device_id=device_id, **kwargs)
         self.turns = self.agent = self.endpoint = None
-        if agent is not None:
-            mt = multi_turn
-            if openai_endpoint:
+        mt = rollout.multi_turn if rollout is not None else None
+        if mt is not None:
+            tok = AutoTokenizer.from_pretrained(model_path)
+            total = mt.total_tokens(ecfg.sampling.max_new_tokens)
+        if mt is not None and rollout.agent is not None:
+            if rollout.openai_endpoint:
                 logging.getLogger("httpx").setLevel(logging.WARNING)   # an OpenAI client logs every call at INFO
                 self.endpoint = OpenAIEndpoint()
                 self.endpoint.start()
-            self.agent = AgentRunner(self.engine.generate, resolve_agent(agent), AutoTokenizer.from_pretrained(model_path),
-                                     {name: make() for name, make in TOOLS.items()}, mt.max_turns,
-                                     mt.total_tokens(ecfg.sampling.max_new_tokens), mt.max_observation_tokens,
-                                     mt.tool_timeout_s, self.endpoint)
-        elif multi_turn is not None:
-            tok = AutoTokenizer.from_pretrained(model_path)
-            self.turns = MultiTurn(self.engine.generate, TOOLS[multi_turn.tool](),
+            table = agent_table(rollout.agent, rollout.agents)
+            self.agent = AgentRunner(self.engine.generate, resolve_agent(table.pop(None)), tok,
+                                     {tool: make() for tool, make in TOOLS.items()}, mt.max_turns, total,
+                                     mt.max_observation_tokens, mt.tool_timeout_s, self.endpoint,
+                                     {n: resolve_agent(spec) for n, spec in table.items()}, agent_key)
+        elif mt is not None:
+            self.turns = MultiTurn(self.engine.generate, TOOLS[mt.tool](),
                                    lambda text: tok.encode(text, add_special_tokens=False),
-                                   lambda ids: tok.decode(ids, skip_special_tokens=True), multi_turn.max_turns,
-                                   multi_turn.total_tokens(ecfg.sampling.max_new_tokens),
-                                   multi_turn.max_observation_tokens)
+                                   lambda ids: tok.decode(ids, skip_special_tokens=True), mt.max_turns, total,
+                                   mt.max_observation_tokens)
         self.receiver = None
         self.verify = True
         self._gate = threading.Condition()

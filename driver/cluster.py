@@ -151,7 +151,7 @@ class Cluster(EngineRecovery):
         opts = self.placement.options(bundle, f"{cfg.experiment.name}-engine-{ename}", engine_env(self.env, ecfg))
         return RolloutActor.options(**opts).remote(ename, ecfg, cfg.trainer.device, self.placement.device_id(bundle),
                                                    self.model_path, cfg.model.dtype, seed, hooks_from_env(slot["entry"]),
-                                                   cfg.rollout.multi_turn, cfg.rollout.agent, cfg.rollout.openai_endpoint)
+                                                   cfg.rollout, cfg.data.agent_key)
 
     def write_endpoints(self) -> None:
         """rollout.openai_endpoint: each engine's OpenAI-compatible endpoint, logged and in openai_endpoints.json

@@ -16,10 +16,9 @@ from rlhf_orch.algorithms.losses import KL_ESTIMATORS, LOSS_AGG_MODES
 from rlhf_orch.algorithms.off_policy import resolve_off_policy
 from rlhf_orch.config.schema import ExperimentConfig, RolloutSection, engine_names
 from rlhf_orch.data.tasks import TASKS
-from rlhf_orch.errors import ConfigError
 from rlhf_orch.models.tiny import BUILTIN_PREFIX, CHARS, SPECIAL_TOKENS
-from rlhf_orch.rewards import AGENT_REWARD, NO_FUNCTION
-from rlhf_orch.rollout.agent import resolve_agent
+from rlhf_orch.rewards import NO_FUNCTION
+from rlhf_orch.rollout.agent import agent_problems
 from rlhf_orch.trainer.packing import flash_attn_available
 # schema.py imports this module inside its validator (the checks need its sections), so importing the schema (for
 # `rlhf-orch --help`) loads none of the above. transformers is imported where a model folder is read.
@@ -455,17 +454,7 @@ def rollout_problems(cfg: ExperimentConfig) -> list[str]:
         for i, kind, fix in stuck:
             p.append(f"rollout.running_requests: abort needs engines that stop a request between two decode steps and "
                      f"engines.{i} (kind {kind}) cannot; {fix}, or set running_requests: wait (or remove it: auto)")
-    if cfg.reward.function == AGENT_REWARD and r.agent is None:
-        p.append(f"reward.function: {AGENT_REWARD} scores the rewards an agent function returns; set rollout.agent "
-                 "or give another reward function")
-    if r.openai_endpoint and r.agent is None:
-        p.append("rollout.openai_endpoint: the endpoint serves agent code; set rollout.agent (an agent function that "
-                 "uses client.base_url) or remove openai_endpoint")
-    if r.agent is not None:
-        try:
-            resolve_agent(r.agent)
-        except ConfigError as e:
-            p.append(str(e))
+    p += agent_problems(r, cfg.reward.function)
     if r.multi_turn is not None:
         mt = r.multi_turn
         if r.partial_rollouts:

@@ -81,6 +81,8 @@ class DataSection(_Section):
     prompt_key: str = Field("prompt", min_length=1, description="File sources: dotted path of the prompt in each row "
                             "(e.g. 'prompt', 'question', 'extra_info.question'): a string, or a list of chat messages "
                             "({role, content}) rendered with the tokenizer's chat template.")
+    agent_key: str = Field("agent_name", min_length=1, description="rollout.agent: dotted path of the row's agent name "
+                           "(verl's agent datasets: agent_name), looked up in rollout.agents.")
     answer_key: str = Field("answer", min_length=1, description="File sources: dotted path of the reference answer "
                             "(verl's GSM8K: reward_model.ground_truth); copied into the row's 'answer' as a string.")
     system_prompt: str | None = Field(None, description="File sources: a system message put before every chat prompt "
@@ -318,6 +320,9 @@ class RolloutSection(_Section):
         "builtin:tool_chat: `async def agent(client, row) -> float | None` runs each sample's trajectory through its "
         "client (rollout/agent.py); rollout.multi_turn holds its limits (defaults when absent). A float it returns is "
         "the reward with reward.function: builtin:agent_reward.")
+    agents: dict[str, str] = Field(default_factory=dict, description="rollout.agent: agent functions by name, for "
+        "datasets whose rows name their agent at data.agent_key (verl's agent_name); builtin names: single_turn_agent "
+        "(builtin:single_turn) and tool_agent (builtin:tool_chat). Rows that name none run rollout.agent.")
     openai_endpoint: bool = Field(False, description="rollout.agent: each engine process serves /v1/chat/completions "
         "and /v1/completions on 127.0.0.1 (a free port; the run folder's openai_endpoints.json), and each sample has "
         "its own base URL (client.base_url): agent code written for the OpenAI client runs unchanged, every call "

@@ -18,6 +18,7 @@ from rlhf_orch.data.rows import DataSpec, build_rows
 from rlhf_orch.data.sources import read_records
 from rlhf_orch.errors import DataError
 from rlhf_orch.models.tiny import build_tokenizer
+from rlhf_orch.rollout.agent import row_agent_problems
 
 _PREPARED: dict[DataSpec, list[dict]] = {}   # the data section's file fields -> rows (the driver only)
 ANSWER_REWARDS = "rlhf_orch.rewards.builtin:"   # every built-in rule reward reads row["answer"]
@@ -64,6 +65,7 @@ def dataset_problems(cfg) -> list[str]:
         return str(e).splitlines()
     problems = token_problems(rows, tokenizer, d.max_prompt_tokens, d.source,
                               builtin=cfg.model.path.startswith("builtin:")) + _count_problems(cfg, len(rows))
+    problems += row_agent_problems(rows, cfg.rollout, d.agent_key, d.source)
     if not problems:
         _PREPARED[spec] = rows
     return problems

@@ -2,7 +2,8 @@
 
 A row keeps every original column and gets "prompt" (the text the engines continue: a plain string as
 given, or chat messages rendered with the tokenizer's chat template, `add_generation_prompt=True`) and
-"answer" (the value at `answer_key`, as a string), so rule rewards such as
+"answer" (the value at `answer_key`, as a string; a prompt given as chat messages is also kept as "messages" for agent
+functions), so rule rewards such as
 `rlhf_orch.rewards.builtin:exact_match` work on any layout (verl's GSM8K parquet: `prompt` is a list of
 messages, the answer is `reward_model.ground_truth`). A JSONL file of string prompts with the default
 keys gives back its rows exactly as parsed (the format this project started with).
@@ -191,6 +192,8 @@ def build_rows(raw: RawRows, spec: DataSpec, tokenizer=None) -> list[dict]:
             continue
         if spec.prompt_key != "prompt" or text is not value:
             record["prompt"] = text
+        if isinstance(value, list) and "messages" not in record:
+            record["messages"] = value   # an agent's chat() starts from them (builtin:tool_chat; rollout/agent.py)
         if answer is not _MISSING and not (legacy and spec.answer_key == "answer"):   # JSONL rows stay as parsed
             record["answer"] = answer if isinstance(answer, str) else str(answer)
         rows.append(record)

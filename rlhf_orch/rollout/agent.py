@@ -47,6 +47,7 @@ from typing import Awaitable, Callable, Sequence
 
 from rlhf_orch.engines.base import SamplingParams, per_prompt_params
 from rlhf_orch.errors import ConfigError, RolloutError
+from rlhf_orch.rewards import AGENT_REWARD
 from rlhf_orch.rollout.multiturn import ToolError
 from rlhf_orch.types import Sample
 
@@ -80,6 +81,63 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         except (ValueError, KeyError, TypeError) as e:
             calls.append(ToolCall("", {}, f"unparsable tool call ({type(e).__name__}): {body[:80]}"))
     return calls
+
+
+def agent_table(default: str | None, named: dict[str, str]) -> dict[str | None, str]:
+    """Agent specs by name: None -> rollout.agent (rows that name none), then verl's names (rollout/agents.VERL_AGENTS)
+    and rollout.agents over them."""
+    from rlhf_orch.rollout import agents   # built-ins import this module: resolved here, not at the top
+    return {**agents.VERL_AGENTS, **named, None: default}
+
+
+def row_agent(row: dict, key: str) -> str | None:
+    """The agent name a row gives at dotted `key` (verl's agent_name, or e.g. extra_info.agent), or None. (Not
+    rlhf_orch.data.rows.lookup: the data package checks rows with this module, which would import it back.)"""
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return None if value is None else str(value)
+
+
+def agent_problems(rollout, reward_function: str) -> list[str]:
+    """The rollout section's agent settings (config/checks.py calls this before any actor starts)."""
+    p, r = [], rollout
+    if reward_function == AGENT_REWARD and r.agent is None:
+        p.append(f"reward.function: {AGENT_REWARD} scores the rewards an agent function returns; set rollout.agent "
+                 "or give another reward function")
+    if r.openai_endpoint and r.agent is None:
+        p.append("rollout.openai_endpoint: the endpoint serves agent code; set rollout.agent (an agent function that "
+                 "uses client.base_url) or remove openai_endpoint")
+    if r.agents and r.agent is None:
+        p.append("rollout.agents: set rollout.agent too, the agent of rows that name none")
+    if r.agent is not None:
+        for name, spec in agent_table(r.agent, r.agents).items():
+            try:
+                resolve_agent(spec)
+            except ConfigError as e:
+                p.append(str(e) if name is None else str(e).replace("rollout.agent:", f"rollout.agents.{name}:", 1))
+    return p
+
+
+def row_agent_problems(rows: list[dict], rollout, key: str, source: str) -> list[str]:
+    """Rows that name an agent (at data.agent_key) rollout.agents does not have; a warning when rows name agents
+    and no rollout.agent is set (they then run as plain single-turn prompts)."""
+    named = [(i, n) for i, n in ((i, row_agent(r, key)) for i, r in enumerate(rows)) if n is not None]
+    if not named:
+        return []
+    if rollout.agent is None:
+        logger.warning("%d rows of %s name an agent at %r (first: %r) but rollout.agent is not set: they run as "
+                       "single-turn prompts", len(named), source, key, named[0][1])
+        return []
+    known = agent_table(rollout.agent, rollout.agents)
+    bad = [(i, n) for i, n in named if n not in known]
+    if not bad:
+        return []
+    return [f"data.agent_key: {len(bad)} rows of {source} name agents rollout.agents does not define (first: row "
+            f"{bad[0][0]}, {bad[0][1]!r}; defined: {', '.join(sorted(k for k in known if k))}); add them to "
+            "rollout.agents (name: package.module:function) or point data.agent_key elsewhere"]
 
 
 def resolve_agent(spec: str) -> AgentFn:
@@ -276,8 +334,11 @@ class AgentRunner:
 
     def __init__(self, generate_fn: Callable[[list[list[int]], object], list[Sample]], agent: AgentFn, tokenizer,
                  tools: dict[str, Callable[[str], str | None]], max_turns: int, max_total_tokens: int,
-                 max_observation_tokens: int, tool_timeout_s: float, endpoint=None):
+                 max_observation_tokens: int, tool_timeout_s: float, endpoint=None,
+                 by_name: dict[str, AgentFn] | None = None, agent_key: str = "agent_name"):
+        """`agent` runs every row unless `by_name` has the name the row gives at `agent_key` (agent_table)."""
         self._generate, self.agent, self.tok, self.tools = generate_fn, agent, tokenizer, tools
+        self.by_name, self.agent_key = by_name or {}, agent_key
         self.endpoint = endpoint   # rollout/openai_server.OpenAIEndpoint, started, or None
         self.max_turns, self.max_total_tokens, self.max_obs = max_turns, max_total_tokens, max_observation_tokens
         self.tool_timeout_s = tool_timeout_s
@@ -321,13 +382,23 @@ class AgentRunner:
                     self.endpoint.unregister(c.key)
         return [self._finish(c, r) for c, r in zip(clients, results)]
 
+    def agent_for(self, row: dict) -> AgentFn:
+        name = row_agent(row, self.agent_key) if self.by_name else None
+        if name is None:
+            return self.agent
+        if name not in self.by_name:   # the data check refuses such rows before launch (data/prepare.py)
+            raise RolloutError(f"agent: row names agent {name!r} (at {self.agent_key}); rollout.agents has "
+                               f"{', '.join(sorted(self.by_name))}")
+        return self.by_name[name]
+
     async def _one(self, client: AgentClient, row: dict):
+        agent = self.agent_for(row)
         try:
-            return await self.agent(client, row)
+            return await agent(client, row)
         except RolloutError:
             raise
         except Exception as e:
-            name = getattr(self.agent, "__qualname__", repr(self.agent))
+            name = getattr(agent, "__qualname__", repr(agent))
             raise RolloutError(f"agent {name} raised {type(e).__name__}: {e} (row {str(row)[:200]})") from e
         finally:
             self._live -= 1

@@ -3,10 +3,12 @@
     builtin:calculator   the plain-text calculator loop of rollout/multiturn.py as an agent: a turn, the
                          calculator's observation (`=<value> `), the next turn, until a turn calls no tool or a
                          limit ends it. Seeded, it makes exactly MultiTurn's trajectories (a test checks it).
+    builtin:single_turn  one model turn: a row of a multi-turn dataset that needs none (verl's single_turn_agent).
     builtin:tool_chat    a tool-calling loop over the tokenizer's chat template: the row's `messages` (or its
                          prompt as one user message) with the tools of TOOL_SCHEMAS in OpenAI function format; each
                          Hermes-style tool call in a turn is run and answered with a `tool` message, until a turn
-                         calls none or a limit ends it.
+                         calls none or a limit ends it (verl's tool_agent). A row with tools_kwargs (at the top or
+                         in extra_info, as verl's datasets have them) is offered only the tools it names.
 
 Both return None: the run's reward function scores the sample's text. Not here: environments with their own state
 (write an agent function).
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 from rlhf_orch.rollout.agent import AgentClient
 
-BUILTINS = ("calculator", "tool_chat")
+BUILTINS = ("calculator", "tool_chat", "single_turn")
+# verl's agent names (a row's agent_name in its agent datasets) -> ours; rollout.agents may override them
+VERL_AGENTS = {"single_turn_agent": "builtin:single_turn", "tool_agent": "builtin:tool_chat"}
 
 # OpenAI function-call schemas of the built-in tools, and how a call's arguments become the text the tool reads
 TOOL_SCHEMAS = {
@@ -43,8 +47,19 @@ async def calculator(client: AgentClient, row: dict) -> None:
         client.observe(obs)
 
 
+async def single_turn(client: AgentClient, row: dict) -> None:
+    await client.generate()
+
+
+def row_tools(row: dict) -> list[str] | None:
+    """The tools a row's tools_kwargs names (verl: extra_info.tools_kwargs, {tool: {create_kwargs: ...}}), or None."""
+    kwargs = row.get("tools_kwargs") or (row.get("extra_info") or {}).get("tools_kwargs")
+    return list(kwargs) if isinstance(kwargs, dict) and kwargs else None
+
+
 async def tool_chat(client: AgentClient, row: dict) -> None:
-    names = [n for n in TOOL_SCHEMAS if n in client.tool_names]
+    wanted = row_tools(row)
+    names = [n for n in TOOL_SCHEMAS if n in client.tool_names and (wanted is None or n in wanted)]
     tools = [TOOL_SCHEMAS[n][0] for n in names]
     if "messages" in row:
         messages = [dict(m) for m in row["messages"]]
