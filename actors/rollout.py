@@ -55,7 +55,8 @@ class RolloutActor:
             total = mt.total_tokens(ecfg.sampling.max_new_tokens)
         if mt is not None and rollout.agent is not None:
             if rollout.openai_endpoint:
-                logging.getLogger("httpx").setLevel(logging.WARNING)   # an OpenAI client logs every call at INFO
+                for name in ("httpx", "httpx2"):   # an OpenAI client's HTTP layer logs every call at INFO
+                    logging.getLogger(name).setLevel(logging.WARNING)
                 self.endpoint = OpenAIEndpoint()
                 self.endpoint.start()
             table = agent_table(rollout.agent, rollout.agents)

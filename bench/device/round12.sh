@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On nvidia-h200 (1x H200; issue #29, its GPU part). vLLM + DeepSpeed staged into /tmp/site.
+#   bash bench/device/round12.sh turns     # GPU 0: bench/multiturn.py, one vLLM engine in the process (Llama-3.2-1B
+#                                          # shape, random bf16): 64 prompts x 8, 4 turns x 128 tokens + 3 observations
+#                                          # x 32 against one 608-token response; T (seconds, default 400) bounds it
+#   bash bench/device/round12.sh toolrun   # GPU 0: configs/vllm_coloc_tool.yaml (tiny model, calculator tool, vLLM
+#                                          # colocated) for STEPS steps (default 30); reward and turns, first and last
+# Files in $OUT: gpus.txt, multiturn.md (the table, appended), multiturn.log, toolrun.log, toolrun.tgz (metrics,
+# summary and timeline of the run).
+set -uo pipefail
+RLHF_ORCH_LOG_LEVEL=INFO; . bench/device/env.sh
+git log -1 --format='code: %h %s' 2>/dev/null; git status --short 2>/dev/null | head -5
+case "${1:-}" in
+  turns)
+    CUDA_VISIBLE_DEVICES=0 timeout -k 15 "${T:-400}" python3 bench/multiturn.py --engine vllm \
+      --out "$OUT/multiturn.md" > "$OUT/multiturn.log" 2>&1
+    echo "== turns exit $?"; grep -E "^\||^multi / single|^P=" "$OUT/multiturn.md" 2>/dev/null \
+      || grep -E "warm-up|^single|^multi|engine .* up|Error|Traceback" "$OUT/multiturn.log" | tail -20
+    grep -E "^(warm-up )?(single|multi):" "$OUT/multiturn.log" ;;
+  toolrun)
+    CUDA_VISIBLE_DEVICES=0 timeout -k 15 "${TOOL_TIMEOUT:-480}" python3 launch.py --config configs/vllm_coloc_tool.yaml \
+      experiment.output_dir=/tmp/runs experiment.steps="${STEPS:-30}" experiment.overwrite=true \
+      > "$OUT/toolrun.log" 2>&1
+    echo "== toolrun exit $?"; keep toolrun /tmp/runs/vllm_coloc_tool
+    python3 - /tmp/runs/vllm_coloc_tool <<'PY'
+import json, sys
+try:
+    ms = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl")]
+except OSError:
+    print("no metrics"); sys.exit()
+ms = [m for m in ms if "rollout/reward_mean" in m]
+keys = ("step", "rollout/reward_mean", "rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_errors_mean",
+        "rollout/observation_tokens_mean", "rollout/truncated_mean", "perf/step_s", "sync/verified")
+for name, m in (("first", ms[0]), ("last", ms[-1])) if ms else ():
+    print(name, {k: round(m[k], 4) if isinstance(m[k], float) else m[k] for k in keys if k in m})
+for name, part in (("first 5", ms[:5]), ("last 5", ms[-5:])) if ms else ():
+    print(name, "mean reward", round(sum(m["rollout/reward_mean"] for m in part) / len(part), 3),
+          "turns", round(sum(m.get("rollout/turns_mean", 0) for m in part) / len(part), 3))
+PY
+    grep -E "Traceback|Error|error:" "$OUT/toolrun.log" | head -10 ;;
+  *) echo "usage: $0 turns|toolrun"; exit 2 ;;
+esac
