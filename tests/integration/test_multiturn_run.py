@@ -9,12 +9,15 @@ trained token equal the trainer's (`rollout/logprob_diff_max`, over the response
 engine logprob 0 and would show), every sync is verified, the turn metrics show the second turns and observations.
 """
 import json
+import os
+import signal
 import statistics
 import sys
 from pathlib import Path
 
 import openai
 import pytest
+import ray
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -86,3 +89,42 @@ def test_an_agent_function_runs_the_trajectories_and_gives_the_rewards(tmp_path)
         assert r["rollout/reward_mean"] == pytest.approx(r["rollout/turns_mean"], abs=1e-9), r
     urls = json.loads((tmp_path / "agent" / "openai_endpoints.json").read_text())
     assert sorted(urls) == ["colocated", "dedicated"] and all(u.startswith("http://127.0.0.1:") for u in urls.values())
+
+
+_turns_here = {"n": 0}
+
+
+async def dies_mid_trajectory(client, row) -> None:
+    """builtin:calculator's loop, except that the engine process named ...-engine-dedicated kills itself (SIGKILL)
+    right after its 80th first turn: in step 2, with trajectories of that call between their turns."""
+    turn = await client.generate()
+    _turns_here["n"] += 1
+    if _turns_here["n"] == 80 and ray.get_runtime_context().get_actor_name().endswith("-engine-dedicated"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    while not client.done:
+        obs = await client.tool("calculator", turn.text)
+        if obs is None:
+            break
+        client.observe(obs)
+        turn = await client.generate()
+
+
+def test_an_engine_killed_mid_trajectory_loses_and_repeats_nothing(tmp_path):
+    """The dedicated engine's process dies between two turns of its trajectories (max_engine_restarts 0): its
+    groups go back to the queue whole and run on the colocated engine; every step trains its 16 groups, none twice
+    (the ledger balances), and the run finishes."""
+    steps = 3
+    rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu_tool.yaml"), f"experiment.output_dir={tmp_path}",
+                      "experiment.name=killed", f"experiment.steps={steps}", "trainer.warm_start_steps=0",
+                      "rollout.agent=tests.integration.test_multiturn_run:dies_mid_trajectory",
+                      "fault_tolerance.max_engine_restarts=0", *QUIET])
+    assert rc == 0
+    run = tmp_path / "killed"
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert records[-1]["fault/engines_live"] == 1 and all(r["rollout/turns_mean"] >= 1.0 for r in records)
+    summary = json.loads((run / "summary.json").read_text())
+    [fault] = summary["faults"]
+    assert fault["engine"] == "dedicated" and "died" in fault["cause"]
+    ledger = summary["ledger"]
+    assert ledger["balanced"] == 1 and ledger["trained"] == steps * 16 and ledger["requeued_on_failure"] > 0, ledger
