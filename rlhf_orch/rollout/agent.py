@@ -83,6 +83,20 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+def tool_schema_problem(tool) -> str | None:
+    """What is wrong with one `tools` entry of chat() (OpenAI function format), or None."""
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+        return 'each tool must be {"type": "function", "function": {"name": ..., "parameters": {...}}}'
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        return "a tool's function needs a name"
+    params = fn.get("parameters", {"type": "object"})
+    if not isinstance(params, dict) or params.get("type") != "object" or \
+            not isinstance(params.get("properties", {}), dict):
+        return f"tool {fn['name']!r}: parameters must be a JSON schema of type object with a properties object"
+    return None
+
+
 def agent_table(default: str | None, named: dict[str, str]) -> dict[str | None, str]:
     """Agent specs by name: None -> rollout.agent (rows that name none), then verl's names (rollout/agents.VERL_AGENTS)
     and rollout.agents over them."""
@@ -158,6 +172,11 @@ def resolve_agent(spec: str) -> AgentFn:
     if fn is None or not inspect.iscoroutinefunction(fn):
         raise ConfigError(f"rollout.agent: {spec!r} is not an `async def agent(client, row)` function; give "
                           "package.module:function of one")
+    try:
+        inspect.signature(fn).bind(None, {})
+    except TypeError as e:
+        raise ConfigError(f"rollout.agent: {spec!r} cannot be called as agent(client, row) ({e}); give it those two "
+                          "parameters") from None
     return fn
 
 
@@ -266,6 +285,10 @@ class AgentClient:
     async def chat(self, messages: list[dict], tools: list[dict] | None = None,
                    max_new_tokens: int | None = None) -> Turn:
         render = self._runner.render
+        for tool in tools or []:
+            problem = tool_schema_problem(tool)
+            if problem:
+                raise RolloutError(f"agent: chat(tools=...): {problem}")
         if self._history is None:
             if self.sample is not None:
                 raise RolloutError("agent: chat() after generate(): start the trajectory with chat()")

@@ -4,6 +4,7 @@ turn in one engine call in sample order whatever its tools take; chat() keeps th
 template whose re-tokenization would differ (a scripted tokenizer, and the real one with a Jinja template on the hf
 engine); tool calls parsed; limits, tool errors and timeouts, an agent's reward and its errors; resolve_agent."""
 import json
+import re
 import time
 
 import pytest
@@ -15,7 +16,7 @@ from rlhf_orch.engines.base import SamplingParams
 from rlhf_orch.errors import ConfigError, RolloutError
 from rlhf_orch.models import build_tokenizer
 from rlhf_orch.rollout import agents
-from rlhf_orch.rollout.agent import AgentRunner, parse_tool_calls, resolve_agent
+from rlhf_orch.rollout.agent import AgentRunner, parse_tool_calls, resolve_agent, tool_schema_problem
 from rlhf_orch.rollout.multiturn import TOOLS, Calculator, MultiTurn
 from rlhf_orch.types import Sample
 from test_multiturn import Scripted, dec, enc, split
@@ -154,6 +155,10 @@ def test_an_agent_that_raises_or_returns_no_number_fails_the_call_with_its_name(
         run_one(lazy)
 
 
+async def three_params(client, row, extra):
+    return None
+
+
 def test_resolve_agent_names_the_field_and_the_fix():
     assert resolve_agent("builtin:tool_chat") is agents.tool_chat
     assert resolve_agent("rlhf_orch.rollout.agents:calculator") is agents.calculator
@@ -163,6 +168,8 @@ def test_resolve_agent_names_the_field_and_the_fix():
         resolve_agent("no_such_mod:f")
     with pytest.raises(ConfigError, match="is not an `async def agent"):
         resolve_agent("rlhf_orch.rollout.agent:parse_tool_calls")
+    with pytest.raises(ConfigError, match=r"'test_agent:three_params' cannot be called as agent\(client, row\)"):
+        resolve_agent("test_agent:three_params")
 
 
 def test_the_config_checks_the_agent_and_gives_it_default_limits(tmp_path):
@@ -295,6 +302,18 @@ def test_chat_on_the_hf_engine_with_a_jinja_template_trains_the_engines_ids(tiny
         obs = tok.decode([ids for m, ids in split(s) if m == 0][0], skip_special_tokens=False)
         assert obs.endswith("user: again<eos>assistant: ")
         assert len(s.logprobs) == len(s.response_ids) == len(s.loss_mask) == len(s.token_versions)
+
+
+@pytest.mark.parametrize("tool, why", [({"name": "x"}, 'each tool must be {"type": "function"'),
+                                       ({"type": "function", "function": {"parameters": {}}}, "needs a name"),
+                                       ({"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}},
+                                        "tool 'f': parameters must be a JSON schema of type object")])
+def test_chat_refuses_a_tool_schema_that_is_not_an_openai_function(tool, why):
+    async def chatty(client, row):
+        await client.chat([{"role": "user", "content": "hi"}], tools=[tool])
+    with pytest.raises(RolloutError, match=re.escape(why)):
+        agent_runner(ChatModel(["x"]), chatty, tok=ChatTok()).generate([[0]], SamplingParams(), [{}])
+    assert all(tool_schema_problem(t) is None for t, _ in agents.TOOL_SCHEMAS.values())
 
 
 def test_chat_refuses_a_tokenizer_without_a_template():
