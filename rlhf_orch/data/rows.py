@@ -2,8 +2,8 @@
 
 A row keeps every original column and gets "prompt" (the text the engines continue: a plain string as
 given, or chat messages rendered with the tokenizer's chat template, `add_generation_prompt=True`) and
-"answer" (the value at `answer_key`, as a string; a prompt given as chat messages is also kept as "messages" for agent
-functions), so rule rewards such as
+"answer" (the value at `answer_key`, as a string; with rollout.agent a prompt given as chat messages is also kept as
+"messages", for agent functions), so rule rewards such as
 `rlhf_orch.rewards.builtin:exact_match` work on any layout (verl's GSM8K parquet: `prompt` is a list of
 messages, the answer is `reward_model.ground_truth`). A JSONL file of string prompts with the default
 keys gives back its rows exactly as parsed (the format this project started with).
@@ -37,6 +37,7 @@ class DataSpec:
     chat_template_path: str | None = None
     answer_needed_by: str | None = None   # why every row needs an answer (None: rows without one are fine)
     model_path: str = "the model"         # named in messages about the tokenizer
+    keep_messages: bool = False           # rollout.agent: a chat-message prompt is also kept as row["messages"]
 
     @classmethod
     def from_config(cls, cfg, answer_needed_by: str | None = None) -> "DataSpec":
@@ -44,7 +45,7 @@ class DataSpec:
         return cls(source=d.source, split=d.split, prompt_key=d.prompt_key, answer_key=d.answer_key,
                    system_prompt=d.system_prompt, chat_template=d.chat_template,
                    chat_template_path=d.chat_template_path, answer_needed_by=answer_needed_by,
-                   model_path=cfg.model.path)
+                   model_path=cfg.model.path, keep_messages=cfg.rollout.agent is not None)
 
 
 def lookup(record, key: str):
@@ -192,7 +193,7 @@ def build_rows(raw: RawRows, spec: DataSpec, tokenizer=None) -> list[dict]:
             continue
         if spec.prompt_key != "prompt" or text is not value:
             record["prompt"] = text
-        if isinstance(value, list) and "messages" not in record:
+        if spec.keep_messages and isinstance(value, list) and "messages" not in record:
             record["messages"] = value   # an agent's chat() starts from them (builtin:tool_chat; rollout/agent.py)
         if answer is not _MISSING and not (legacy and spec.answer_key == "answer"):   # JSONL rows stay as parsed
             record["answer"] = answer if isinstance(answer, str) else str(answer)

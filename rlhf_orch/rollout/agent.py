@@ -48,7 +48,7 @@ from typing import Awaitable, Callable, Sequence
 from rlhf_orch.engines.base import SamplingParams, per_prompt_params
 from rlhf_orch.errors import ConfigError, RolloutError
 from rlhf_orch.rewards import AGENT_REWARD
-from rlhf_orch.rollout.multiturn import ToolError
+from rlhf_orch.rollout.multiturn import ToolError, append_observation
 from rlhf_orch.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -239,11 +239,7 @@ class AgentClient:
         if len(ids) >= self.room():   # no room for a turn after it: cut, and the trajectory ends
             ids = ids[:self.room()]
             self._truncate()
-        s = self.sample
-        s.token_versions += [s.token_versions[-1] if s.token_versions else s.weight_version] * len(ids)
-        s.response_ids += ids
-        s.logprobs += [0.0] * len(ids)
-        s.loss_mask += [0] * len(ids)
+        append_observation(self.sample, ids)
         self.stats["observation_tokens"] += len(ids)
         return ids
 

@@ -96,6 +96,15 @@ def python_sandbox() -> Tool:
 TOOLS: dict[str, Callable[[], Tool]] = {"calculator": Calculator, "python": python_sandbox}
 
 
+def append_observation(s: Sample, ids: list[int]) -> None:
+    """Observation tokens join a trajectory: in the context, out of the loss (mask 0, logprob 0), with the version of
+    the turn before them."""
+    s.token_versions += [s.token_versions[-1] if s.token_versions else s.weight_version] * len(ids)
+    s.response_ids += ids
+    s.logprobs += [0.0] * len(ids)
+    s.loss_mask += [0] * len(ids)
+
+
 @dataclasses.dataclass
 class _Trajectory:
     sample: Sample              # the first turn's sample, grown turn by turn (its ids, mask and versions)
@@ -178,11 +187,7 @@ class MultiTurn:
         room = self._room(t)
         if len(ids) >= room:   # no room left for a turn after it: the observation is cut, the trajectory ends
             ids, t.done, t.sample.finish_reason, t.stats["truncated"] = ids[:room], True, "length", 1
-        s = t.sample
-        s.token_versions += [s.token_versions[-1] if s.token_versions else s.weight_version] * len(ids)
-        s.response_ids += ids
-        s.logprobs += [0.0] * len(ids)
-        s.loss_mask += [0] * len(ids)
+        append_observation(t.sample, ids)
         t.stats["observation_tokens"] += len(ids)
         return not t.done
 

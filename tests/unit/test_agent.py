@@ -272,17 +272,23 @@ JINJA = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<eos>{% endf
          "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
-def test_chat_on_the_hf_engine_with_a_jinja_template_trains_the_engines_ids(tiny_model_dir):
+def recording_hf(model_dir):
+    """The hf engine's generate, and the response ids of each call it answered."""
     torch.set_num_threads(1)
-    engine = engine_class("hf")(name="e", model_path=tiny_model_dir, seed=0)
-    tok = build_tokenizer()
-    tok.chat_template = JINJA
+    engine = engine_class("hf")(name="e", model_path=model_dir, seed=0)
     returned = []
 
     def generate(prompts, params):
         out = engine.generate(prompts, params)
         returned.append([list(s.response_ids) for s in out])
         return out
+    return generate, returned
+
+
+def test_chat_on_the_hf_engine_with_a_jinja_template_trains_the_engines_ids(tiny_model_dir):
+    generate, returned = recording_hf(tiny_model_dir)
+    tok = build_tokenizer()
+    tok.chat_template = JINJA
 
     async def two_rounds(client, row):
         messages = [{"role": "user", "content": row["prompt"]}]

@@ -7,10 +7,8 @@ import json
 import httpx
 import openai
 import pytest
-import torch
 
 from rlhf_orch.config import load_config
-from rlhf_orch.engines import engine_class
 from rlhf_orch.engines.base import SamplingParams
 from rlhf_orch.errors import ConfigError, RolloutError
 from rlhf_orch.models import build_tokenizer
@@ -18,7 +16,7 @@ from rlhf_orch.rollout.agent import AgentRunner
 from rlhf_orch.rollout.agents import TOOL_SCHEMAS
 from rlhf_orch.rollout.multiturn import Calculator
 from rlhf_orch.rollout.openai_server import SAMPLE_HEADER, OpenAIEndpoint
-from test_agent import IM_END, PRINTABLE, ChatModel, ChatTok
+from test_agent import IM_END, PRINTABLE, ChatModel, ChatTok, recording_hf
 from test_multiturn import split
 
 
@@ -71,15 +69,8 @@ def test_chat_completions_with_tools_through_the_openai_client(endpoint):
 
 
 def test_completions_on_the_hf_engine_keep_the_engines_ids(endpoint, tiny_model_dir):
-    torch.set_num_threads(1)
-    engine = engine_class("hf")(name="e", model_path=tiny_model_dir, seed=0)
+    generate, returned = recording_hf(tiny_model_dir)
     tok = build_tokenizer()
-    returned = []
-
-    def generate(prompts, params):
-        out = engine.generate(prompts, params)
-        returned.append([list(s.response_ids) for s in out])
-        return out
 
     async def agent(client, row):
         oai = openai.AsyncOpenAI(base_url=client.base_url, api_key="none", max_retries=0)
