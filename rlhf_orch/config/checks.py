@@ -457,9 +457,6 @@ def rollout_problems(cfg: ExperimentConfig) -> list[str]:
     p += agent_problems(r, cfg.reward.function)
     if r.multi_turn is not None:
         mt = r.multi_turn
-        if r.partial_rollouts:
-            p.append("rollout.multi_turn: partial rollouts across turns are not built yet (issue #29); set "
-                     "partial_rollouts: false or remove multi_turn")
         total = max(mt.total_tokens(e.sampling.max_new_tokens) for e in cfg.engines)
         if cfg.model.path.startswith("builtin:") and \
                 cfg.data.max_prompt_tokens + total > cfg.model.tiny.max_position_embeddings:

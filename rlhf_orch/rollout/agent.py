@@ -31,8 +31,9 @@ templates use.
 Limits: `max_turns` model turns and `max_total_tokens` response tokens per trajectory (then `client.done`, and a
 further `generate` returns an empty turn without calling the engine); observations are cut at
 `max_observation_tokens`. A turn aborted by a weight sync ends the trajectory (finish_reason "abort": the
-scheduler re-queues its group). An agent that raises fails the call with its function, row and error named. Not
-here: the OpenAI-compatible endpoint, partial rollouts across turns.
+scheduler re-queues its group); with partial rollouts each token keeps its version (as in MultiTurn). An agent that
+raises fails the call with its function, row and error named. The OpenAI-compatible endpoint is
+rollout/openai_server.py's.
 """
 from __future__ import annotations
 

@@ -12,13 +12,15 @@ tokens and 0 on the observations' (in the context, never trained), `logprobs` ar
 
 A trajectory ends when a turn calls no tool, after `max_turns` turns, or when its response reaches
 `max_total_tokens` (then "length"). A turn the engine aborted (a weight sync's abort pause) ends the trajectory with
-finish_reason "abort", so the scheduler re-queues its whole group, as for a single-turn sample. A tool that raises
-answers with an error observation; it never ends the run.
+finish_reason "abort", so the scheduler re-queues its whole group, as for a single-turn sample. With partial rollouts
+(max_staleness >= 1) a sync may come between two turns or, as a keep pause, inside one: each token keeps the version
+that made it, and the group's staleness deadline is its admission's, so no token is staler than the bound. A tool
+that raises answers with an error observation; it never ends the run.
 
 Built in: `Calculator`, a tool called as `calc(<expression>)` in a turn's text (integers, + - * and parentheses),
 whose observation is `=<value> ` (the space keeps the next turn's text apart); "python", rollout/sandbox.py's
-PythonSandbox (a turn's last ```python block run in a limited subprocess). Not here (issue #29's later parts): agent functions, chat templates and OpenAI-style
-tool schemas, the sandboxed code tool, the OpenAI endpoint, partial rollouts across turns.
+PythonSandbox (a turn's last ```python block run in a limited subprocess). Agent functions, chat templates and the
+OpenAI-compatible endpoint are rollout/agent.py's.
 """
 from __future__ import annotations
 

@@ -342,3 +342,22 @@ def test_tool_chat_runs_the_python_sandbox_through_its_schema():
     assert s.turn_stats["tool_calls"] == 1 and s.turn_stats["tool_errors"] == 0
     system = tok.decode(s.prompt_ids, False).split("\n")[1]
     assert system == 'tools: ["calculator", "python"]<|im_end|>'   # both schemas offered
+
+
+def test_turns_generated_under_newer_weights_keep_each_tokens_version():
+    """Partial rollouts across turns (max_staleness >= 1): a sync between two turns (or inside one, a keep pause)
+    leaves each token with the version that made it; observations take the version of the turn before; the sample's
+    weight_version is its oldest."""
+    eng = Scripted({0: ["calc(1+1)", "2"]}, version=3)
+    plain = eng.generate
+
+    def newer_each_call(prompts, params):
+        out = plain(prompts, params)
+        eng.version += 1
+        return out
+    s, = agent_runner(type("E", (), {"generate": staticmethod(newer_each_call)}), agents.calculator).generate(
+        [[0]], SamplingParams(max_new_tokens=20), [{}])
+    runs = split(s)
+    n1, n_obs, n2 = (len(ids) for _, ids in runs)
+    assert [m for m, _ in runs] == [1, 0, 1]
+    assert s.token_versions == [3] * n1 + [3] * n_obs + [4] * n2 and s.weight_version == 3

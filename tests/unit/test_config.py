@@ -139,8 +139,9 @@ def test_multi_turn_section_and_its_limits():
         load_config(cfg, ["rollout.multi_turn.max_turns=0"])
     with pytest.raises(ConfigError, match=r"rollout.multi_turn.tool: Input should be 'calculator'"):
         load_config(cfg, ["rollout.multi_turn.tool=search"])
-    with pytest.raises(ConfigError, match=r"rollout.multi_turn: partial rollouts across turns are not built yet"):
-        load_config(cfg, ["rollout.multi_turn.max_turns=2", "rollout.max_staleness=1", "rollout.partial_rollouts=true"])
+    # partial rollouts across turns: allowed since the twelfth session (test_agent, test_multiturn_run)
+    assert load_config(cfg, ["rollout.multi_turn.max_turns=2", "rollout.multi_turn.max_observation_tokens=4",
+                             "rollout.max_staleness=1", "rollout.partial_rollouts=true"]).rollout.partial_rollouts
     with pytest.raises(ConfigError, match=r"rollout.multi_turn.max_total_tokens: prompt \(\d+\) \+ trajectory \(5000\) "
                                           r"exceed model.tiny.max_position_embeddings"):
         load_config(cfg, ["rollout.multi_turn.max_total_tokens=5000"])
