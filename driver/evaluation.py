@@ -56,7 +56,9 @@ def _generate(cluster, es: EvalSet, step: int) -> list[list]:
     refs = []
     for name, (a, b) in zip(names, parts):
         params = es.request_params(cluster.sampling[name], step, range(a, b))
-        refs.append(cluster.engines[name].generate.remote([p.token_ids for p in es.prompts[a:b]], params))
+        rows = [p.row for p in es.prompts[a:b]] if cluster.cfg.rollout.agent else None   # an agent reads its row
+        refs.append(cluster.engines[name].generate.remote([p.token_ids for p in es.prompts[a:b]], params, None, None,
+                                                          rows))
     out = get(refs, cluster.timeout, f"evaluation generate after step {step}", EngineError)
     grouped: list[list] = []
     for name, (a, b), (samples, stats) in zip(names, parts, out):
