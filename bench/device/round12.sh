@@ -3,6 +3,8 @@
 #   bash bench/device/round12.sh turns     # GPU 0: bench/multiturn.py, one vLLM engine in the process (Llama-3.2-1B
 #                                          # shape, random bf16): 64 prompts x 8, 4 turns x 128 tokens + 3 observations
 #                                          # x 32 against one 608-token response; T (seconds, default 400) bounds it
+#   bash bench/device/round12.sh gputest   # GPU 0: tests/gpu/test_multiturn_vllm.py (agent and MultiTurn trajectories
+#                                          # on vLLM, the engine's logprobs against a forward of the trajectory)
 #   bash bench/device/round12.sh toolrun   # GPU 0: configs/vllm_coloc_tool.yaml (tiny model, calculator tool, vLLM
 #                                          # colocated) for STEPS steps (default 30); reward and turns, first and last
 # Files in $OUT: gpus.txt, multiturn.md (the table, appended), multiturn.log, toolrun.log, toolrun.tgz (metrics,
@@ -17,6 +19,9 @@ case "${1:-}" in
     echo "== turns exit $?"; grep -E "^\||^multi / single|^P=" "$OUT/multiturn.md" 2>/dev/null \
       || grep -E "warm-up|^single|^multi|engine .* up|Error|Traceback" "$OUT/multiturn.log" | tail -20
     grep -E "^(warm-up )?(single|multi):" "$OUT/multiturn.log" ;;
+  gputest)
+    CUDA_VISIBLE_DEVICES=0 timeout -k 15 "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/gpu/test_multiturn_vllm.py > "$OUT/gputest.log" 2>&1; echo "== gputest exit $?"; tail -5 "$OUT/gputest.log" ;;
   toolrun)
     CUDA_VISIBLE_DEVICES=0 timeout -k 15 "${TOOL_TIMEOUT:-480}" python3 launch.py --config configs/vllm_coloc_tool.yaml \
       experiment.output_dir=/tmp/runs experiment.steps="${STEPS:-30}" experiment.overwrite=true \
@@ -38,5 +43,5 @@ for name, part in (("first 5", ms[:5]), ("last 5", ms[-5:])) if ms else ():
           "turns", round(sum(m.get("rollout/turns_mean", 0) for m in part) / len(part), 3))
 PY
     grep -E "Traceback|Error|error:" "$OUT/toolrun.log" | head -10 ;;
-  *) echo "usage: $0 turns|toolrun"; exit 2 ;;
+  *) echo "usage: $0 turns|gputest|toolrun"; exit 2 ;;
 esac
