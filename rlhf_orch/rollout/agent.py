@@ -44,6 +44,7 @@ import inspect
 import json
 import logging
 import re
+import threading
 from typing import Awaitable, Callable, Sequence
 
 from rlhf_orch.engines.base import SamplingParams, per_prompt_params
@@ -71,6 +72,30 @@ class Turn:
     token_ids: list[int]
     finish_reason: str           # "stop", "length", "abort"; "done" when the client had ended already
     tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
+
+
+def in_daemon_thread(fn, *args) -> asyncio.Future:
+    """fn(*args) in a daemon thread of its own, as a future of the running loop. Not the loop's executor: a tool that
+    hangs past its timeout keeps its thread (Python cannot kill one), and enough of them would leave no worker for
+    the engine calls; a daemon thread also does not hold the process at exit."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(method, value) -> None:
+        if not fut.done():   # cancelled by a timeout: nobody waits for the value
+            method(value)
+
+    def run() -> None:
+        try:
+            value, method = fn(*args), fut.set_result
+        except BaseException as e:
+            value, method = e, fut.set_exception
+        try:
+            loop.call_soon_threadsafe(settle, method, value)
+        except RuntimeError:   # the call's loop is gone: it ended without this answer
+            pass
+    threading.Thread(target=run, name="agent-tool", daemon=True).start()
+    return fut
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
@@ -261,7 +286,7 @@ class AgentClient:
             raise RolloutError(f"agent: no tool {name!r}; tools: {', '.join(sorted(self._runner.tools))}")
         err = getattr(tool, "error_text", lambda message: f"error: {message} ")   # in the tool's own format
         try:
-            obs = await asyncio.wait_for(asyncio.to_thread(tool, turn_text), self._runner.tool_timeout_s)
+            obs = await asyncio.wait_for(in_daemon_thread(tool, turn_text), self._runner.tool_timeout_s)
         except asyncio.TimeoutError:
             obs = err(f"{name} timed out after {self._runner.tool_timeout_s:g} s")
         except ToolError as e:

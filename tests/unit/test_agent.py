@@ -136,6 +136,19 @@ def test_a_tool_that_raises_or_hangs_answers_with_an_error_and_the_trajectory_go
     assert "calc(2**5)=calc: ValueError 9" == s.text   # the calculator's own error format, as MultiTurn's
 
 
+def test_tools_that_hang_past_their_timeout_do_not_starve_the_engine_calls():
+    """40 trajectories whose tool hangs for 60 s, timeout 1 s: each gets its error observation and its next turn
+    at once (hung tools keep daemon threads of their own, not the workers the engine calls run on)."""
+    eng = Scripted({k: ["calc(2+2)", "9"] for k in range(40)})
+    t0 = time.monotonic()
+    hang = lambda text: time.sleep(60) if "calc" in text else None
+    got = agent_runner(eng, agents.calculator, tools={"calculator": hang}, tool_timeout_s=1,
+                       max_observation_tokens=60, max_total_tokens=200).generate(
+        [[k] for k in range(40)], SamplingParams(max_new_tokens=20), [{}] * 40)
+    assert time.monotonic() - t0 < 30   # a starved runner would wait for the 60 s sleeps
+    assert all(s.turn_stats["tool_errors"] == 1 and s.turn_stats["turns"] == 2 for s in got)
+
+
 def test_an_agent_that_raises_or_returns_no_number_fails_the_call_with_its_name():
     async def bad(client, row):
         await client.generate()
