@@ -1,6 +1,8 @@
-"""How long a weight sync's pause takes with requests in flight (issue #27): vLLM streaming runner or the hf engine.
+"""How long a weight sync's pause takes with requests in flight (issue #27): vLLM streaming runner, the streaming
+SGLang engine, or the hf engine.
 
     python bench/pause_latency.py --engine vllm --model llama-3.2-1b --running 0 64 256 512 --max-tokens 2048
+    PYTHONPATH=/tmp/site-sglang:$PWD python bench/pause_latency.py --engine sglang --running 0 64 256 512
     python bench/pause_latency.py --engine hf --running 0 8 32 --max-tokens 64          # CPU dry run
 
 For each count of running requests (each one prompt, n=1, ignore_eos, long responses) and each pause mode:
@@ -124,17 +126,9 @@ class StackSampler:
 
 class Vllm:
     def __init__(self, args):
-        from transformers import LlamaConfig
-        from bench.shapes import SHAPES
         from rlhf_orch.engines.vllm_async import AsyncVLLMRunner
-        from rlhf_orch.models import build_tokenizer
-        tok = build_tokenizer()
-        path = Path("/tmp/rlhf_orch_pause_bench") / args.model
-        LlamaConfig(**{**SHAPES[args.model], "vocab_size": len(tok)}, max_position_embeddings=4096, bos_token_id=1,
-                    eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16").save_pretrained(path)
-        tok.save_pretrained(path)
-        self.vocab = len(tok)
-        self.runner = AsyncVLLMRunner(str(path), load_format="dummy", dtype="bfloat16", seed=0,
+        path, self.vocab = _random_model(args)
+        self.runner = AsyncVLLMRunner(path, load_format="dummy", dtype="bfloat16", seed=0,
                                       gpu_memory_utilization=args.gpu_mem, max_model_len=args.max_tokens + 64,
                                       max_num_seqs=max(max(args.running), 1), gc_freeze=not args.no_gc_freeze)
         self.runner.weight_version = 0
@@ -182,7 +176,59 @@ class Vllm:
         self.runner.shutdown()
 
 
-class Hf:
+def _random_model(args, suffix: str = "") -> tuple[str, int]:
+    """A config-only folder of `args.model`'s shape with the built-in tokenizer (engines load dummy weights)."""
+    from transformers import LlamaConfig
+    from bench.shapes import SHAPES
+    from rlhf_orch.models import build_tokenizer
+    tok = build_tokenizer()
+    path = Path("/tmp/rlhf_orch_pause_bench") / (args.model + suffix)
+    LlamaConfig(**{**SHAPES[args.model], "vocab_size": len(tok)}, max_position_embeddings=4096, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16").save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path), len(tok)
+
+
+class Engine:
+    """One of our engines (generate, pause, resume) measured from outside: the pause's whole call, the garbage
+    collections inside it, and the resume."""
+
+    def start(self, n: int, args, variant: str):
+        from rlhf_orch.engines.base import SamplingParams
+        out: dict = {}
+        sp = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True, temperature=1.0)
+        prompts = _prompts(n, self.vocab, args.seed + n)
+        t = threading.Thread(target=lambda: out.update(rows=self.engine.generate(prompts, sp)), daemon=True)
+        t.start()
+        return t, out
+
+    def pause(self, mode: str) -> dict:
+        t0 = time.perf_counter()
+        self.engine.pause(mode)
+        t1 = time.perf_counter()
+        m = {"pause_s": t1 - t0, "gc_s": GC.within(t0, t1)}
+        self.engine.resume()
+        m["resume_s"] = time.perf_counter() - t1
+        return m
+
+
+class Sglang(Engine):
+    """rlhf_orch's StreamingSGLangEngine (kind sglang, streaming) with dummy weights of `--model`'s shape. Not yet
+    run on a GPU (written in the twelfth session for #27's SGLang pause)."""
+
+    def __init__(self, args):
+        from rlhf_orch.engines.sglang_async import StreamingSGLangEngine
+        path, self.vocab = _random_model(args, "-sglang")
+        self.engine = StreamingSGLangEngine(name="s", model_path=path, dtype="bfloat16", seed=0,
+                                            mem_fraction_static=args.gpu_mem, context_length=args.max_tokens + 64,
+                                            load_format="dummy")
+        self.engine.weight_version = 0
+
+    def close(self):
+        self.engine.shutdown()
+
+
+class Hf(Engine):
     def __init__(self, args):
         from rlhf_orch.engines.hf import HFEngine
         from rlhf_orch.models import TinyModelSpec, ensure_model_dir
@@ -190,24 +236,6 @@ class Hf:
         self.engine = HFEngine(name="hf", model_path=str(path), device="cpu", seed=0,
                                max_batch_size=max(max(args.running), 1))
         self.vocab = 40
-
-    def start(self, n: int, args, variant: str):
-        from rlhf_orch.engines.base import SamplingParams
-        out: dict = {}
-        sp = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
-        t = threading.Thread(target=lambda: out.update(rows=self.engine.generate(_prompts(n, self.vocab, n), sp)),
-                             daemon=True)
-        t.start()
-        return t, out
-
-    def pause(self, mode: str) -> dict:
-        t0 = time.perf_counter()
-        self.engine.pause(mode)
-        m = {"pause_s": time.perf_counter() - t0}
-        t1 = time.perf_counter()
-        self.engine.resume()
-        m["resume_s"] = time.perf_counter() - t1
-        return m
 
     def close(self):
         pass
@@ -246,7 +274,7 @@ def measure(eng, args) -> list[dict]:
 
 def table(rows: list[dict], args) -> str:
     keys = (["pause_s", "gc_s", "loop_lag_s", "engine_s", "return_s", "resume_s"] if args.engine == "vllm"
-            else ["pause_s", "resume_s"])
+            else ["pause_s", "gc_s", "resume_s"])
     lines = ["| running | mode | text | n | " + " | ".join(f"{k} median (max)" for k in keys) +
              (" | queued at return (median) |" if args.engine == "vllm" else " |"),
              "|" + "---|" * (len(keys) + 4 + (args.engine == "vllm"))]
@@ -262,7 +290,7 @@ def table(rows: list[dict], args) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
+    ap.add_argument("--engine", choices=["vllm", "sglang", "hf"], default="vllm")
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--running", type=int, nargs="+", default=[0, 64, 256, 512])
     ap.add_argument("--max-tokens", type=int, default=2048)
@@ -276,7 +304,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sample-stacks", action="store_true", help="vLLM: what every thread does during abort pauses")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    eng = Vllm(args) if args.engine == "vllm" else Hf(args)
+    eng = {"vllm": Vllm, "sglang": Sglang, "hf": Hf}[args.engine](args)
     try:
         rows = measure(eng, args)
     finally:

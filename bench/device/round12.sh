@@ -5,6 +5,8 @@
 #                                          # x 32 against one 608-token response; T (seconds, default 400) bounds it
 #   bash bench/device/round12.sh gputest   # GPU 0: tests/gpu/test_multiturn_vllm.py (agent and MultiTurn trajectories
 #                                          # on vLLM, the engine's logprobs against a forward of the trajectory)
+#   bash bench/device/round12.sh sgpause   # GPU 0: bench/pause_latency.py --engine sglang at 0-512 running (#27 item 1;
+#                                          # needs SGLang staged into /tmp/site-sglang; not yet run)
 #   bash bench/device/round12.sh toolrun   # GPU 0: configs/vllm_coloc_tool.yaml (tiny model, calculator tool, vLLM
 #                                          # colocated) for STEPS steps (default 30); reward and turns, first and last
 # Files in $OUT: gpus.txt, multiturn.md (the table, appended), multiturn.log, toolrun.log, toolrun.tgz (metrics,
@@ -22,6 +24,11 @@ case "${1:-}" in
   gputest)
     CUDA_VISIBLE_DEVICES=0 timeout -k 15 "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/gpu/test_multiturn_vllm.py > "$OUT/gputest.log" 2>&1; echo "== gputest exit $?"; tail -5 "$OUT/gputest.log" ;;
+  sgpause)
+    PYTHONPATH=/tmp/site-sglang:$PWD:$PWD/tests CUDA_VISIBLE_DEVICES=0 timeout -k 15 "${PAUSE_TIMEOUT:-540}" \
+      python3 bench/pause_latency.py --engine sglang --running ${RUNNING:-0 64 256 512} --max-tokens 2048 --rounds 4 \
+      --abort-rounds 2 --gpu-mem 0.7 --out "$OUT/sgpause.md" > "$OUT/sgpause.log" 2>&1
+    echo "== sgpause exit $?"; grep -E "^\|" "$OUT/sgpause.md" 2>/dev/null || tail -20 "$OUT/sgpause.log" ;;
   toolrun)
     CUDA_VISIBLE_DEVICES=0 timeout -k 15 "${TOOL_TIMEOUT:-480}" python3 launch.py --config configs/vllm_coloc_tool.yaml \
       experiment.output_dir=/tmp/runs experiment.steps="${STEPS:-30}" experiment.overwrite=true \
@@ -43,5 +50,5 @@ for name, part in (("first 5", ms[:5]), ("last 5", ms[-5:])) if ms else ():
           "turns", round(sum(m.get("rollout/turns_mean", 0) for m in part) / len(part), 3))
 PY
     grep -E "Traceback|Error|error:" "$OUT/toolrun.log" | head -10 ;;
-  *) echo "usage: $0 turns|gputest|toolrun"; exit 2 ;;
+  *) echo "usage: $0 turns|gputest|sgpause|toolrun"; exit 2 ;;
 esac
