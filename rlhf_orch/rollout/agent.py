@@ -209,9 +209,10 @@ def resolve_agent(spec: str) -> AgentFn:
 class AgentClient:
     """One trajectory's handle (module docstring). `done` once a limit is reached or a turn was aborted."""
 
-    def __init__(self, runner: "AgentRunner", pos: int, index: int, prompt_ids: list[int], params: SamplingParams,
-                 prompt_seed: int | None):
-        self._runner, self.pos, self.index, self.params, self.prompt_seed = runner, pos, index, params, prompt_seed
+    def __init__(self, runner: "AgentRunner", barrier: "_Barrier", pos: int, index: int, prompt_ids: list[int],
+                 params: SamplingParams, prompt_seed: int | None):
+        self._runner, self._barrier = runner, barrier
+        self.pos, self.index, self.params, self.prompt_seed = pos, index, params, prompt_seed
         self.prompt_ids = list(prompt_ids)
         self.sample: Sample | None = None    # from the first model turn on
         self.done, self.reason = False, ""
@@ -234,7 +235,7 @@ class AgentClient:
     async def generate(self, max_new_tokens: int | None = None) -> Turn:
         if self.done:
             return Turn("", [], "done")
-        s = await self._runner.request(self, max_new_tokens)
+        s = await self._barrier.request(self, max_new_tokens)
         self.stats["turns"] += 1
         if self.sample is None:
             self.sample = dataclasses.replace(s, response_ids=[], logprobs=[], token_versions=[], loss_mask=[])
@@ -408,14 +409,13 @@ class AgentRunner:
         return asyncio.run(self._run(prompts, per_prompt_params(params, len(prompts)), rows))
 
     async def _run(self, prompts, each: list[SamplingParams], rows) -> list[Sample]:
-        self._pending: list[tuple[AgentClient, int | None, asyncio.Future]] = []
-        self._flushing, self._round = False, 0
-        clients = []
+        # this call's own barrier: a streaming engine's actor runs several calls at once, each on its own loop
+        barrier, clients = _Barrier(self._generate), []
         for i, (p, own) in enumerate(zip(prompts, each)):
             for j in range(own.n):   # sample j of a seeded prompt draws from seed + j, as one call with n would
                 one = dataclasses.replace(own, n=1, seed=None if own.seed is None else own.seed + j)
-                clients.append(AgentClient(self, len(clients), i, list(p), one, own.seed))
-        self._live = len(clients)
+                clients.append(AgentClient(self, barrier, len(clients), i, list(p), one, own.seed))
+        barrier.live = len(clients)
         if self.endpoint is not None:
             for c in clients:
                 c.key = self.endpoint.register(c, asyncio.get_running_loop())
@@ -446,8 +446,7 @@ class AgentRunner:
             name = getattr(agent, "__qualname__", repr(agent))
             raise RolloutError(f"agent {name} raised {type(e).__name__}: {e} (row {str(row)[:200]})") from e
         finally:
-            self._live -= 1
-            self._maybe_flush()
+            client._barrier.done()
 
     def _finish(self, c: AgentClient, reward) -> Sample:
         if c.sample is None:
@@ -462,15 +461,31 @@ class AgentRunner:
         s.agent_reward = None if reward is None else float(reward)
         return s
 
-    # ---- the barrier: every live agent waits for a turn -> one engine call -------------------------
+
+
+class _Barrier:
+    """One generate call's agents: when every live one waits for a turn, all of them go to the engine in one call,
+    in sample order (module docstring)."""
+
+    def __init__(self, generate_fn: Callable[[list[list[int]], object], list[Sample]]):
+        self._generate = generate_fn
+        self.live = 0                  # agents still running
+        self._pending: list[tuple[AgentClient, int | None, asyncio.Future]] = []
+        self._flushing, self._round = False, 0
+
     async def request(self, client: AgentClient, max_new_tokens: int | None) -> Sample:
         fut = asyncio.get_running_loop().create_future()
         self._pending.append((client, max_new_tokens, fut))
         self._maybe_flush()
         return await fut
 
+    def done(self) -> None:
+        """An agent returned (or raised): the others no longer wait for it."""
+        self.live -= 1
+        self._maybe_flush()
+
     def _maybe_flush(self) -> None:
-        if not self._flushing and self._pending and len(self._pending) >= self._live:
+        if not self._flushing and self._pending and len(self._pending) >= self.live:
             self._flushing = True
             asyncio.get_running_loop().create_task(self._flush())
 

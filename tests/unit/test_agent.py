@@ -5,6 +5,7 @@ template whose re-tokenization would differ (a scripted tokenizer, and the real 
 engine); tool calls parsed; limits, tool errors and timeouts, an agent's reward and its errors; resolve_agent."""
 import json
 import re
+import threading
 import time
 
 import pytest
@@ -98,6 +99,34 @@ def test_every_live_agents_turn_goes_in_one_call_in_sample_order_whatever_its_to
     assert [[c[0][0] for c in call] for call in eng.calls] == [[0, 1, 2]] * 3
     assert all(s.turn_stats == {"turns": 3, "tool_calls": 2, "tool_errors": 0, "observation_tokens": 6,
                                 "truncated": 0} for s in got)
+
+
+def test_concurrent_generate_calls_on_one_runner_keep_their_own_barriers():
+    """A streaming engine's actor runs several generate calls at once through one runner: each call batches only
+    its own agents' turns, and each gets exactly the trajectories it would get alone."""
+    scripts = {k: ["calc(1+1)", "calc(2+2)", "9"] for k in range(6)}
+    alone = agent_runner(Scripted(scripts), agents.calculator).generate([[0], [1], [2]], SamplingParams(max_new_tokens=20),
+                                                                        [{}] * 3)
+    eng = Scripted(scripts)
+    plain = eng.generate
+
+    def slow(prompts, params):   # calls of both threads interleave
+        time.sleep(0.05)
+        return plain(prompts, params)
+    runner = agent_runner(type("E", (), {"generate": staticmethod(slow)}), agents.calculator)
+    out = {}
+
+    def call(name, prompts):
+        out[name] = runner.generate(prompts, SamplingParams(max_new_tokens=20), [{}] * len(prompts))
+    threads = [threading.Thread(target=call, args=("a", [[0], [1], [2]])),
+               threading.Thread(target=call, args=("b", [[3], [4], [5]]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(same(a, b) for a, b in zip(out["a"], alone)) and len(out["a"]) == 3
+    assert [s.prompt_ids for s in out["b"]] == [[3], [4], [5]] and all(s.turn_stats["turns"] == 3 for s in out["b"])
+    assert all(len({c[0][0] < 3 for c in call}) == 1 for call in eng.calls)   # no engine call mixes the two
 
 
 # ---------------------------------------------------------------- limits, tools, rewards, errors
