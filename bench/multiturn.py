@@ -32,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.shapes import SHAPES  # noqa: E402
 from rlhf_orch.engines import engine_class  # noqa: E402
 from rlhf_orch.engines.base import SamplingParams  # noqa: E402
 from rlhf_orch.models import TinyModelSpec, build_tokenizer, ensure_model_dir  # noqa: E402
@@ -52,7 +53,6 @@ def model_path(args, context: int) -> str:
                                     WORK / "models", seed=0))
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
-    from bench.shapes import SHAPES
     tok = build_tokenizer()
     path = WORK / f"{args.model}-random"
     if not (path / "tokenizer.json").exists():   # written last

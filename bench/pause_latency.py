@@ -42,8 +42,17 @@ import threading
 import time
 from pathlib import Path
 
+from transformers import LlamaConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.shapes import SHAPES  # noqa: E402
+from rlhf_orch.engines.base import SamplingParams  # noqa: E402
+from rlhf_orch.engines.hf import HFEngine  # noqa: E402
+# neither imports vLLM or SGLang at its top: their engines start them
+from rlhf_orch.engines.sglang_async import StreamingSGLangEngine  # noqa: E402
+from rlhf_orch.engines.vllm_async import AsyncVLLMRunner  # noqa: E402
+from rlhf_orch.models import TinyModelSpec, build_tokenizer, ensure_model_dir  # noqa: E402
 
 
 def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -126,7 +135,6 @@ class StackSampler:
 
 class Vllm:
     def __init__(self, args):
-        from rlhf_orch.engines.vllm_async import AsyncVLLMRunner
         path, self.vocab = _random_model(args)
         self.runner = AsyncVLLMRunner(path, load_format="dummy", dtype="bfloat16", seed=0,
                                       gpu_memory_utilization=args.gpu_mem, max_model_len=args.max_tokens + 64,
@@ -178,9 +186,6 @@ class Vllm:
 
 def _random_model(args, suffix: str = "") -> tuple[str, int]:
     """A config-only folder of `args.model`'s shape with the built-in tokenizer (engines load dummy weights)."""
-    from transformers import LlamaConfig
-    from bench.shapes import SHAPES
-    from rlhf_orch.models import build_tokenizer
     tok = build_tokenizer()
     path = Path("/tmp/rlhf_orch_pause_bench") / (args.model + suffix)
     LlamaConfig(**{**SHAPES[args.model], "vocab_size": len(tok)}, max_position_embeddings=4096, bos_token_id=1,
@@ -194,7 +199,6 @@ class Engine:
     collections inside it, and the resume."""
 
     def start(self, n: int, args, variant: str):
-        from rlhf_orch.engines.base import SamplingParams
         out: dict = {}
         sp = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True, temperature=1.0)
         prompts = _prompts(n, self.vocab, args.seed + n)
@@ -217,7 +221,6 @@ class Sglang(Engine):
     run on a GPU (written in the twelfth session for #27's SGLang pause)."""
 
     def __init__(self, args):
-        from rlhf_orch.engines.sglang_async import StreamingSGLangEngine
         path, self.vocab = _random_model(args, "-sglang")
         self.engine = StreamingSGLangEngine(name="s", model_path=path, dtype="bfloat16", seed=0,
                                             mem_fraction_static=args.gpu_mem, context_length=args.max_tokens + 64,
@@ -230,8 +233,6 @@ class Sglang(Engine):
 
 class Hf(Engine):
     def __init__(self, args):
-        from rlhf_orch.engines.hf import HFEngine
-        from rlhf_orch.models import TinyModelSpec, ensure_model_dir
         path = ensure_model_dir("tiny-llama", TinyModelSpec(), Path("/tmp/rlhf_orch_pause_bench"), seed=0)
         self.engine = HFEngine(name="hf", model_path=str(path), device="cpu", seed=0,
                                max_batch_size=max(max(args.running), 1))

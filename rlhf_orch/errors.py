@@ -49,6 +49,11 @@ class RolloutError(RLHFOrchError):
     """The rollout manager cannot fill a batch (staleness bound, filtering cap) or lost track of a group."""
 
 
+class ToolError(Exception):
+    """A tool of a multi-turn rollout could not answer (rlhf_orch/rollout/): its message becomes the observation, so
+    it never ends a run and is not an RLHFOrchError."""
+
+
 class CheckpointError(RLHFOrchError):
     """A checkpoint could not be written or committed (the OS cause, e.g. disk full, is in the message)."""
 

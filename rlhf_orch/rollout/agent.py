@@ -48,9 +48,10 @@ import threading
 from typing import Awaitable, Callable, Sequence
 
 from rlhf_orch.engines.base import SamplingParams, per_prompt_params
-from rlhf_orch.errors import ConfigError, RolloutError
+from rlhf_orch.errors import ConfigError, RolloutError, ToolError
 from rlhf_orch.rewards import AGENT_REWARD
-from rlhf_orch.rollout.multiturn import ToolError, append_observation
+from rlhf_orch.rollout import agents
+from rlhf_orch.rollout.multiturn import append_observation
 from rlhf_orch.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,6 @@ def tool_schema_problem(tool) -> str | None:
 def agent_table(default: str | None, named: dict[str, str]) -> dict[str | None, str]:
     """Agent specs by name: None -> rollout.agent (rows that name none), then verl's names (rollout/agents.VERL_AGENTS)
     and rollout.agents over them."""
-    from rlhf_orch.rollout import agents   # built-ins import this module: resolved here, not at the top
     return {**agents.VERL_AGENTS, **named, None: default}
 
 
@@ -183,7 +183,6 @@ def row_agent_problems(rows: list[dict], rollout, key: str, source: str) -> list
 def resolve_agent(spec: str) -> AgentFn:
     """The agent function `spec` names; a ConfigError naming rollout.agent and the fix otherwise (before any actor)."""
     if spec.startswith("builtin:"):
-        from rlhf_orch.rollout import agents   # built-ins import this module: resolved here, not at the top
         fn = getattr(agents, spec.split(":", 1)[1], None)
         if fn is None or not spec.split(":", 1)[1] in agents.BUILTINS:
             raise ConfigError(f"rollout.agent: no built-in agent {spec!r}; built-ins: "

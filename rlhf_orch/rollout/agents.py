@@ -15,7 +15,10 @@ Both return None: the run's reward function scores the sample's text. Not here: 
 """
 from __future__ import annotations
 
-from rlhf_orch.rollout.agent import AgentClient
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # annotations only: rollout/agent.py imports this module for its built-ins
+    from rlhf_orch.rollout.agent import AgentClient
 
 BUILTINS = ("calculator", "tool_chat", "single_turn")
 # verl's agent names (a row's agent_name in its agent datasets) -> ours; rollout.agents may override them

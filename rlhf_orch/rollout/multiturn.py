@@ -31,6 +31,8 @@ import re
 from typing import Callable, Protocol, Sequence
 
 from rlhf_orch.engines.base import SamplingParams, per_prompt_params
+from rlhf_orch.errors import ToolError
+from rlhf_orch.rollout.sandbox import PythonSandbox
 from rlhf_orch.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -39,10 +41,6 @@ logger = logging.getLogger(__name__)
 class Tool(Protocol):
     def __call__(self, turn_text: str) -> str | None:
         """The observation to append after a model turn whose text is `turn_text`, or None: no call, the end."""
-
-
-class ToolError(Exception):
-    """A tool could not answer; its message becomes the observation."""
 
 
 class Calculator:
@@ -88,14 +86,7 @@ class Calculator:
         raise ValueError(f"{type(node).__name__} not allowed")
 
 
-def python_sandbox() -> Tool:
-    """rollout/sandbox.PythonSandbox with its defaults. Imported here, not at the top: sandbox.py imports ToolError
-    from this module."""
-    from rlhf_orch.rollout.sandbox import PythonSandbox
-    return PythonSandbox()
-
-
-TOOLS: dict[str, Callable[[], Tool]] = {"calculator": Calculator, "python": python_sandbox}
+TOOLS: dict[str, Callable[[], Tool]] = {"calculator": Calculator, "python": PythonSandbox}
 
 
 def append_observation(s: Sample, ids: list[int]) -> None:

@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 
-from rlhf_orch.rollout.multiturn import ToolError
+from rlhf_orch.errors import ToolError
 
 logger = logging.getLogger(__name__)
 
