@@ -183,11 +183,11 @@ def row_agent_problems(rows: list[dict], rollout, key: str, source: str) -> list
 def resolve_agent(spec: str) -> AgentFn:
     """The agent function `spec` names; a ConfigError naming rollout.agent and the fix otherwise (before any actor)."""
     if spec.startswith("builtin:"):
-        fn = getattr(agents, spec.split(":", 1)[1], None)
-        if fn is None or not spec.split(":", 1)[1] in agents.BUILTINS:
+        name = spec.split(":", 1)[1]
+        if name not in agents.BUILTINS:
             raise ConfigError(f"rollout.agent: no built-in agent {spec!r}; built-ins: "
                               f"{', '.join('builtin:' + n for n in agents.BUILTINS)}")
-        return fn
+        return getattr(agents, name)
     mod, _, name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(mod), name) if name else None

@@ -113,7 +113,7 @@ class OpenAIEndpoint:
         except ValueError:
             raise _bad("the body is not JSON", 400) from None
         for name, default in _UNSUPPORTED.items():
-            if body.get(name, default) not in (default, None) and not (name == "n" and body.get(name) == 1):
+            if body.get(name, default) not in (default, None):
                 raise _bad(f"{name}={body[name]!r} is not supported: a sample is one trajectory, sampled with the "
                            "run's settings (engines.N.sampling)", 400)
         return body
