@@ -243,7 +243,7 @@ class Hf(Engine):
 
 
 def measure(eng, args) -> list[dict]:
-    rows = []
+    rows = _Rows()
     variants = ["end", "flat", "detok"] if args.engine == "vllm" else ["-"]
     # FINAL_ONLY requests refuse a keep pause: abort rounds only
     abort_variants = variants + ["final"] if args.engine == "vllm" else variants
@@ -271,6 +271,15 @@ def measure(eng, args) -> list[dict]:
                 rows.append({"running": n, "mode": "abort", "variant": v, **m})
         print(f"running {n}: done", flush=True)
     return rows
+
+
+class _Rows(list):
+    """The measurements, each also printed as one JSON line when taken: a run cut short by its time limit still
+    leaves every pause it measured in the log."""
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        print("row", json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
 
 def table(rows: list[dict], args) -> str:

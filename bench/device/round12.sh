@@ -4,7 +4,9 @@
 #                                          # shape, random bf16): 64 prompts x 8, 4 turns x 128 tokens + 3 observations
 #                                          # x 32 against one 608-token response; T (seconds, default 400) bounds it
 #   bash bench/device/round12.sh gputest   # GPU 0: tests/gpu/test_multiturn_vllm.py (agent and MultiTurn trajectories
-#                                          # on vLLM, the engine's logprobs against a forward of the trajectory)
+#                                          # on vLLM, the engine's logprobs against a forward of the trajectory) and
+#                                          # tests/gpu/test_vllm_streaming.py (the streaming engine's pauses)
+#   bash bench/device/round12.sh sgtest    # GPU 0: tests/gpu/test_sglang_streaming.py (SGLang staged, as sgpause)
 #   bash bench/device/round12.sh sgpause   # GPU 0: bench/pause_latency.py --engine sglang at 0-512 running (#27 item 1;
 #                                          # needs SGLang staged into /tmp/site-sglang; not yet run)
 #   bash bench/device/round12.sh toolrun   # GPU 0: configs/vllm_coloc_tool.yaml (tiny model, calculator tool, vLLM
@@ -23,12 +25,18 @@ case "${1:-}" in
     grep -E "^(warm-up )?(single|multi):" "$OUT/multiturn.log" ;;
   gputest)
     CUDA_VISIBLE_DEVICES=0 timeout -k 15 "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/gpu/test_multiturn_vllm.py > "$OUT/gputest.log" 2>&1; echo "== gputest exit $?"; tail -5 "$OUT/gputest.log" ;;
+      tests/gpu/test_multiturn_vllm.py tests/gpu/test_vllm_streaming.py > "$OUT/gputest.log" 2>&1
+    echo "== gputest exit $?"; grep -E "PASS|FAIL|Error|passed|failed" "$OUT/gputest.log" | tail -12 ;;
+  sgtest)
+    PYTHONPATH=/tmp/site-sglang:$PWD:$PWD/tests CUDA_VISIBLE_DEVICES=0 timeout -k 15 "${TEST_TIMEOUT:-300}" \
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sglang_streaming.py > "$OUT/sgtest.log" 2>&1
+    echo "== sgtest exit $?"; grep -E "FAIL|Error|passed|failed" "$OUT/sgtest.log" | tail -12 ;;
   sgpause)
     PYTHONPATH=/tmp/site-sglang:$PWD:$PWD/tests CUDA_VISIBLE_DEVICES=0 timeout -k 15 "${PAUSE_TIMEOUT:-540}" \
       python3 bench/pause_latency.py --engine sglang --running ${RUNNING:-0 64 256 512} --max-tokens 2048 --rounds 4 \
       --abort-rounds 2 --gpu-mem 0.7 --out "$OUT/sgpause.md" > "$OUT/sgpause.log" 2>&1
-    echo "== sgpause exit $?"; grep -E "^\|" "$OUT/sgpause.md" 2>/dev/null || tail -20 "$OUT/sgpause.log" ;;
+    echo "== sgpause exit $?"; grep -E "^\|" "$OUT/sgpause.md" 2>/dev/null || { grep "^row" "$OUT/sgpause.log" | tail -30
+      grep -vE "^row" "$OUT/sgpause.log" | tail -20; } ;;
   toolrun)
     CUDA_VISIBLE_DEVICES=0 timeout -k 15 "${TOOL_TIMEOUT:-480}" python3 launch.py --config configs/vllm_coloc_tool.yaml \
       experiment.output_dir=/tmp/runs experiment.steps="${STEPS:-30}" experiment.overwrite=true \
@@ -50,5 +58,5 @@ for name, part in (("first 5", ms[:5]), ("last 5", ms[-5:])) if ms else ():
           "turns", round(sum(m.get("rollout/turns_mean", 0) for m in part) / len(part), 3))
 PY
     grep -E "Traceback|Error|error:" "$OUT/toolrun.log" | head -10 ;;
-  *) echo "usage: $0 turns|gputest|sgpause|toolrun"; exit 2 ;;
+  *) echo "usage: $0 turns|gputest|sgtest|sgpause|toolrun"; exit 2 ;;
 esac
