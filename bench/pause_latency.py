@@ -188,7 +188,8 @@ def _random_model(args, suffix: str = "") -> tuple[str, int]:
     """A config-only folder of `args.model`'s shape with the built-in tokenizer (engines load dummy weights)."""
     tok = build_tokenizer()
     path = Path("/tmp/rlhf_orch_pause_bench") / (args.model + suffix)
-    LlamaConfig(**{**SHAPES[args.model], "vocab_size": len(tok)}, max_position_embeddings=4096, bos_token_id=1,
+    LlamaConfig(**{**SHAPES[args.model], "vocab_size": len(tok)}, architectures=["LlamaForCausalLM"],  # SGLang reads it
+                max_position_embeddings=4096, bos_token_id=1,
                 eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16").save_pretrained(path)
     tok.save_pretrained(path)
     return str(path), len(tok)
@@ -213,7 +214,14 @@ class Engine:
         m = {"pause_s": t1 - t0, "gc_s": GC.within(t0, t1)}
         self.engine.resume()
         m["resume_s"] = time.perf_counter() - t1
+        parts = getattr(getattr(self.engine, "runner", None), "last_pause", {})   # SGLang's split of the pause
+        m.update({k: parts.get(k, 0.0) for k in SGLANG_PARTS} if isinstance(self, Sglang) else {})
         return m
+
+
+# AsyncSGLangRunner.pause's split: the census of the paused scheduler, then (abort) the wait for every token it
+# generated to reach our streams through the detokenizer ("keep" waits for that in resume, after the weights load)
+SGLANG_PARTS = ("census_s", "drain_s")
 
 
 class Sglang(Engine):
@@ -284,6 +292,7 @@ class _Rows(list):
 
 def table(rows: list[dict], args) -> str:
     keys = (["pause_s", "gc_s", "loop_lag_s", "engine_s", "return_s", "resume_s"] if args.engine == "vllm"
+            else ["pause_s", "gc_s", *SGLANG_PARTS, "resume_s"] if args.engine == "sglang"
             else ["pause_s", "gc_s", "resume_s"])
     lines = ["| running | mode | text | n | " + " | ".join(f"{k} median (max)" for k in keys) +
              (" | queued at return (median) |" if args.engine == "vllm" else " |"),

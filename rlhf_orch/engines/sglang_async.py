@@ -7,8 +7,8 @@ TokenizerManager runs on, is that loop; engine.py:302-306) and offers blocking, 
 - `pause(mode)` / `resume()` for the modes of engines/base.py: "wait" (running requests finish, new ones wait),
   "keep" (TokenizerManager.pause_generation(mode="retract"): running requests leave the batch, their KV is freed,
   their tokens are kept, and after `continue_generation` they re-prefill prompt + tokens under the new weights),
-  "abort" (as "keep", then `abort_request(abort_all=True)`: requests end with finish_reason "abort" and their
-  partial tokens; the caller re-queues them).
+  "abort" (SGLang's retract pause, then `abort_request(abort_all=True)`, and our streams end at once with
+  finish_reason "abort" and the tokens they have; the caller re-queues them whole, so nothing more is waited for).
 Engine's own blocking methods (`update_weights_from_*`, `flush_cache`, ...) call `self.loop.run_until_complete`,
 which cannot drive a loop another thread runs; `Engine.loop` is replaced by `_OnLoop`, which runs them there.
 
@@ -35,6 +35,7 @@ and verification are SGLangEngine's, unchanged; SGLang is imported lazily.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import sys
@@ -152,9 +153,12 @@ class _Req:
 
 class AsyncSGLangRunner:
     def __init__(self, make_engine: Callable[[], Any], census: Callable[[], dict[str, int]], *,
-                 start_timeout_s: float = 1800.0, drain_timeout_s: float = 10.0):
+                 start_timeout_s: float = 1800.0, drain_timeout_s: float = 10.0, gc_freeze: bool = True):
         """`make_engine()` builds the engine (called on the loop thread); `census()` (called from the pausing
-        thread, after SGLang's pause) returns {rid: tokens generated} of the requests the paused scheduler holds."""
+        thread, after SGLang's pause) returns {rid: tokens generated} of the requests the paused scheduler holds.
+        `gc_freeze`: as AsyncVLLMRunner's: once the engine is up, the process's objects leave the cyclic
+        collector's reach, so a full collection (which stops the loop thread that runs every stream) walks only
+        what requests made since (first SGLang run of bench/pause_latency.py: 27 full collections of ~430 ms)."""
         self.census = census
         self.drain_timeout_s = drain_timeout_s
         self.paused_mode: str | None = None
@@ -173,6 +177,9 @@ class AsyncSGLangRunner:
             self._stop_loop()
             raise
         self.engine.loop = _OnLoop(self._loop, self._thread)
+        if gc_freeze:
+            gc.collect()
+            gc.freeze()
 
     @staticmethod
     async def _build(make_engine):
@@ -278,7 +285,7 @@ class AsyncSGLangRunner:
         """Returns once paused: "wait" when every request ended; "keep" once the scheduler is paused and has said
         how many tokens each request has (the tokens still on their way from the detokenizer are waited for in
         `resume`, after the weights loaded, before later tokens get the new version: the pause does not wait for
-        that backlog, as the vLLM engine's does not); "abort" once every request ended with every token it had."""
+        that backlog, as the vLLM engine's does not); "abort" once every request ended (with the tokens that reached it: the caller re-queues them)."""
         if mode not in PAUSE_MODES:
             raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         if self.paused_mode is not None:
@@ -288,17 +295,16 @@ class AsyncSGLangRunner:
         self._call(self._close(mode))
         if mode == "wait":
             self._call(self._until(lambda: not self._reqs, None))
-        else:
+        elif mode == "keep":
             t1 = time.perf_counter()
-            counts = self.census()
-            t2 = time.perf_counter()
-            stats.update(census_s=t2 - t1, kept=len(counts))
-            if mode == "keep":
-                self._counts = counts   # drained in resume()
-            else:   # an abort ends the requests now, each with every token the scheduler generated
-                stats["exact"] = self._call(self._drain(counts))
-                stats["drain_s"] = time.perf_counter() - t2
-                self._call(self._abort_all())
+            self._counts = self.census()   # drained in resume()
+            stats.update(census_s=time.perf_counter() - t1, kept=len(self._counts))
+        else:
+            # An aborted request's group is re-queued whole (rollout/scheduler.py on_generated): its tokens are
+            # thrown away, so neither the census nor the detokenizer's backlog of its last tokens is waited for
+            # (they were 0.1 and 0.3 s of a 0.5 s abort at 512 running on an H200, bench/RESULTS.md). SGLang takes
+            # the abort before any later message (one FIFO socket), so no request decodes on the new weights.
+            stats["aborted"] = self._call(self._abort_all())
         stats["pause_s"] = time.perf_counter() - t0
         self.last_pause = stats
         logger.debug("paused: %s", stats)
@@ -333,15 +339,17 @@ class AsyncSGLangRunner:
             logger.error("requests %s got more tokens than the paused scheduler generated", over[:3])
         return ok and not over
 
-    async def _abort_all(self) -> None:
+    async def _abort_all(self) -> int:
+        """Every request ends now with finish_reason "abort" and the tokens that reached its stream so far."""
         for r in self._reqs.values():
             r.aborted = True
-        self.tm.abort_request(abort_all=True)   # retracted requests wait in the queue: each ends with its tokens
+        self.tm.abort_request(abort_all=True)   # SGLang drops them (retracted ones wait in its queue)
+        n = len(self._reqs)
+        for r in list(self._reqs.values()):
+            r.task.cancel()                     # _one ends it as aborted, without waiting for SGLang's answer
         if not await self._until(lambda: not self._reqs, self.drain_timeout_s):
-            logger.warning("%d requests did not end after abort_all; cancelling them", len(self._reqs))
-            for r in list(self._reqs.values()):
-                r.task.cancel()
-            await self._until(lambda: not self._reqs, self.drain_timeout_s)
+            logger.warning("%d requests did not end %.1fs after their abort", len(self._reqs), self.drain_timeout_s)
+        return n
 
     async def _until(self, cond: Callable[[], bool], timeout: float | None) -> bool:
         deadline = None if timeout is None else self._loop.time() + timeout
@@ -447,7 +455,7 @@ class StreamingSGLangEngine(SGLangEngine):
         if mode not in PAUSE_MODES:
             raise EngineError(f"engine {self.name}: unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
         self.runner.pause(mode)
-        # its parts in seconds (census, drain); the runner's counts ("kept") and "exact" flag stay in its own record
+        # its parts in seconds (census, drain); the runner's counts ("kept", "aborted") and "exact" flag stay in its own record
         self.last_pause = {k: float(v) for k, v in self.runner.last_pause.items() if k.endswith("_s") and k != "pause_s"}
         self._paused = True
 
