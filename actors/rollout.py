@@ -68,7 +68,7 @@ class RolloutActor:
             self.turns = MultiTurn(self.engine.generate, TOOLS[mt.tool](),
                                    lambda text: tok.encode(text, add_special_tokens=False),
                                    lambda ids: tok.decode(ids, skip_special_tokens=True), mt.max_turns, total,
-                                   mt.max_observation_tokens)
+                                   mt.max_observation_tokens, mt.tool_timeout_s, mt.tool)
         self.receiver = None
         self.verify = True
         self._gate = threading.Condition()

@@ -50,7 +50,7 @@ class EngineRecovery:
     """Needs from the Cluster: cfg, env, trainers, engines, starting, rewarders, slots, sampling, colocation,
     coordinator, rollouts, timeout, sync_timeout, plan, timeline, faults, unadmitted, ready, engine_restarts,
     coordinator_restarts, manager_restarts, served_step, boundary_state, checkpoints, ledger_base, final_ledger,
-    _manager_args, _manager_plan, _rget and _make_engine."""
+    _manager_args, _manager_plan, _rget, _make_engine and write_endpoints."""
 
     def _engines_died(self, err: Exception, phase: str) -> bool:
         """After a failed hand-over or sync: find the dead engines (a short health check each), tell the manager (it
@@ -258,6 +258,8 @@ class EngineRecovery:
         self.plan = info["plan"]
         logger.info("weight sync re-planned: %s%s%s", self.plan, f"; replacement engine(s) {new} up" if new else "",
                     f"; still starting: {sorted(self.starting)}" if self.starting else "")
+        if self.cfg.rollout.openai_endpoint:   # the dead engine's endpoint is gone, a replacement serves its own
+            self.write_endpoints()
         return new
 
     def _started(self, wait: bool) -> list[str]:

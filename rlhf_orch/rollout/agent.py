@@ -51,7 +51,6 @@ from rlhf_orch.engines.base import SamplingParams, per_prompt_params
 from rlhf_orch.errors import ConfigError, RolloutError, ToolError
 from rlhf_orch.rewards import AGENT_REWARD
 from rlhf_orch.rollout import agents
-from rlhf_orch.rollout.multiturn import append_observation
 from rlhf_orch.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -203,6 +202,15 @@ def resolve_agent(spec: str) -> AgentFn:
         raise ConfigError(f"rollout.agent: {spec!r} cannot be called as agent(client, row) ({e}); give it those two "
                           "parameters") from None
     return fn
+
+
+def append_observation(s: Sample, ids: list[int]) -> None:
+    """Observation tokens join a trajectory: in the context, out of the loss (mask 0, logprob 0), with the version of
+    the turn before them."""
+    s.token_versions += [s.token_versions[-1] if s.token_versions else s.weight_version] * len(ids)
+    s.response_ids += ids
+    s.logprobs += [0.0] * len(ids)
+    s.loss_mask += [0] * len(ids)
 
 
 class AgentClient:
@@ -379,7 +387,7 @@ class AgentRunner:
 
     def __init__(self, generate_fn: Callable[[list[list[int]], object], list[Sample]], agent: AgentFn, tokenizer,
                  tools: dict[str, Callable[[str], str | None]], max_turns: int, max_total_tokens: int,
-                 max_observation_tokens: int, tool_timeout_s: float, endpoint=None,
+                 max_observation_tokens: int, tool_timeout_s: float | None, endpoint=None,
                  by_name: dict[str, AgentFn] | None = None, agent_key: str = "agent_name"):
         """`agent` runs every row unless `by_name` has the name the row gives at `agent_key` (agent_table)."""
         self._generate, self.agent, self.tok, self.tools = generate_fn, agent, tokenizer, tools

@@ -40,11 +40,17 @@ TOOL_SCHEMAS = {
 
 
 async def calculator(client: AgentClient, row: dict) -> None:
+    await tool_loop(client, "calculator")
+
+
+async def tool_loop(client: AgentClient, tool: str) -> None:
+    """A turn, the tool's observation of its text, the next turn, until a turn calls no tool or a limit ends it
+    (rollout.multi_turn without an agent function runs this: rollout/multiturn.MultiTurn)."""
     while True:
         turn = await client.generate()
         if client.done:
             return None
-        obs = await client.tool("calculator", turn.text)
+        obs = await client.tool(tool, turn.text)
         if obs is None:
             return None
         client.observe(obs)

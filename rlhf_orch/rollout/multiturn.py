@@ -15,7 +15,11 @@ A trajectory ends when a turn calls no tool, after `max_turns` turns, or when it
 finish_reason "abort", so the scheduler re-queues its whole group, as for a single-turn sample. With partial rollouts
 (max_staleness >= 1) a sync may come between two turns or, as a keep pause, inside one: each token keeps the version
 that made it, and the group's staleness deadline is its admission's, so no token is staler than the bound. A tool
-that raises answers with an error observation; it never ends the run.
+that raises or runs past `tool_timeout_s` answers with an error observation; it never ends the run.
+
+How: MultiTurn is rollout/agent.AgentRunner running the built-in tool loop (rollout/agents.tool_loop) as every
+sample's agent, so trajectories, limits and the batching of turns have one implementation; the first turn of every
+sample goes to the engine in one call, then every live trajectory's next turn in one call, in sample order.
 
 Built in: `Calculator`, a tool called as `calc(<expression>)` in a turn's text (integers, + - * and parentheses),
 whose observation is `=<value> ` (the space keeps the next turn's text apart); "python", rollout/sandbox.py's
@@ -25,13 +29,14 @@ OpenAI-compatible endpoint are rollout/agent.py's.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import logging
 import re
 from typing import Callable, Protocol, Sequence
 
-from rlhf_orch.engines.base import SamplingParams, per_prompt_params
+from rlhf_orch.engines.base import SamplingParams
 from rlhf_orch.errors import ToolError
+from rlhf_orch.rollout import agents
+from rlhf_orch.rollout.agent import AgentRunner
 from rlhf_orch.rollout.sandbox import PythonSandbox
 from rlhf_orch.types import Sample
 
@@ -89,103 +94,57 @@ class Calculator:
 TOOLS: dict[str, Callable[[], Tool]] = {"calculator": Calculator, "python": PythonSandbox}
 
 
-def append_observation(s: Sample, ids: list[int]) -> None:
-    """Observation tokens join a trajectory: in the context, out of the loss (mask 0, logprob 0), with the version of
-    the turn before them."""
-    s.token_versions += [s.token_versions[-1] if s.token_versions else s.weight_version] * len(ids)
-    s.response_ids += ids
-    s.logprobs += [0.0] * len(ids)
-    s.loss_mask += [0] * len(ids)
+class _Codec:
+    """encode/decode callables behind the tokenizer methods AgentRunner calls (no chat template: MultiTurn's turns
+    are plain text)."""
+    eos_token = ""
+    chat_template = None
+
+    def __init__(self, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str]):
+        self._encode, self._decode = encode, decode
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._encode(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._decode(ids)
 
 
-@dataclasses.dataclass
-class _Trajectory:
-    sample: Sample              # the first turn's sample, grown turn by turn (its ids, mask and versions)
-    last_turn: list[int]        # the ids of the model's latest turn, which the tool reads
-    stats: dict[str, int]
-    done: bool = False
+class _Observing:
+    """A tool as MultiTurn runs it: errors answer in the calculator's format (`=<message> `), and a tool that raises
+    something else answers `=error <type> ` (logged), never ending the run."""
+
+    error_text = staticmethod(Calculator.error_text)
+
+    def __init__(self, tool: Tool):
+        self.tool = tool
+
+    def __call__(self, turn_text: str) -> str | None:
+        try:
+            return self.tool(turn_text)
+        except ToolError:
+            raise
+        except Exception as e:
+            logger.warning("tool %s raised %s: %s", type(self.tool).__name__, type(e).__name__, e)
+            raise ToolError(f"error {type(e).__name__}") from e
 
 
 class MultiTurn:
-    """Runs trajectories over an engine's `generate` (see the module docstring). `encode(text) -> ids` and
-    `decode(ids) -> text` are the engine's tokenizer's (no special tokens added; special tokens skipped)."""
+    """Runs trajectories over an engine's `generate` (see the module docstring): the built-in tool loop
+    (rollout/agents.tool_loop) as an agent of rollout/agent.AgentRunner, which owns the trajectory bookkeeping and
+    batches every live trajectory's next turn into one engine call. `encode(text) -> ids` and `decode(ids) -> text`
+    are the engine's tokenizer's (no special tokens added; special tokens skipped); `tool_timeout_s` bounds each
+    tool call (None: no bound); `name` is the tool's in its error observations."""
 
     def __init__(self, generate: Callable[[list[list[int]], object], list[Sample]], tool: Tool,
                  encode: Callable[[str], list[int]], decode: Callable[[list[int]], str], max_turns: int,
-                 max_total_tokens: int, max_observation_tokens: int):
-        self._generate, self.tool, self.encode, self.decode = generate, tool, encode, decode
-        self.max_turns, self.max_total_tokens, self.max_obs = max_turns, max_total_tokens, max_observation_tokens
+                 max_total_tokens: int, max_observation_tokens: int, tool_timeout_s: float | None = None,
+                 name: str = "tool"):
+        self.tool = tool
+        self._runner = AgentRunner(generate, lambda client, row: agents.tool_loop(client, name),
+                                   _Codec(encode, decode), {name: _Observing(tool)}, max_turns, max_total_tokens,
+                                   max_observation_tokens, tool_timeout_s)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams]) -> list[Sample]:
-        each = per_prompt_params(params, len(prompts))
-        first = [dataclasses.replace(p, max_new_tokens=min(p.max_new_tokens, self.max_total_tokens)) for p in each]
-        trajs = [self._start(s) for s in self._generate([list(p) for p in prompts], first)]
-        for turn in range(1, self.max_turns):
-            live = [t for t in trajs if not t.done and self._observe(t)]
-            if not live:
-                break
-            # one more turn each, n = 1, from its own context, with its prompt's parameters (rows may bound their
-            # own length); evaluation seeds differ per trajectory and turn
-            ps = []
-            for i, t in enumerate(live):
-                own = each[t.sample.prompt_index]
-                ps.append(dataclasses.replace(own, n=1, max_new_tokens=min(own.max_new_tokens, self._room(t)),
-                                              seed=None if own.seed is None else own.seed + 7919 * turn + i))
-            for t, s in zip(live, self._generate([t.sample.prompt_ids + t.sample.response_ids for t in live], ps)):
-                self._extend(t, s)
-        return [self._finish(t) for t in trajs]
-
-    # ---- one trajectory ---------------------------------------------------------------------------
-    def _start(self, s: Sample) -> _Trajectory:
-        t = _Trajectory(sample=dataclasses.replace(s, response_ids=[], logprobs=[], token_versions=[], loss_mask=[]),
-                        last_turn=[], stats={"turns": 0, "tool_calls": 0, "tool_errors": 0,
-                                             "observation_tokens": 0, "truncated": 0})
-        self._extend(t, s)
-        return t
-
-    def _room(self, t: _Trajectory) -> int:
-        return self.max_total_tokens - len(t.sample.response_ids)
-
-    def _extend(self, t: _Trajectory, s: Sample) -> None:
-        """Append a model turn, exactly the engine's ids, logprobs and versions."""
-        t.stats["turns"] += 1
-        t.last_turn = list(s.response_ids)
-        t.sample.response_ids += s.response_ids
-        t.sample.logprobs += s.logprobs
-        t.sample.token_versions += s.versions
-        t.sample.loss_mask += [1] * len(s.response_ids)
-        t.sample.finish_reason = s.finish_reason
-        t.sample.weight_version = min(t.sample.weight_version, s.weight_version)
-        t.sample.engine = s.engine
-        t.done = s.finish_reason == "abort"
-        if self._room(t) <= 0:
-            t.done, t.sample.finish_reason, t.stats["truncated"] = True, "length", 1
-
-    def _observe(self, t: _Trajectory) -> bool:
-        """Run the tool on the last turn's text (there is room for another turn); append its observation. False:
-        the trajectory ends here."""
-        try:
-            obs = self.tool(self.decode(t.last_turn))
-        except ToolError as e:
-            obs, t.stats["tool_errors"] = f"={e} ", t.stats["tool_errors"] + 1
-        except Exception as e:   # a broken tool answers with its error; the run goes on
-            logger.warning("tool %s raised %s: %s", type(self.tool).__name__, type(e).__name__, e)
-            obs, t.stats["tool_errors"] = f"=error {type(e).__name__} ", t.stats["tool_errors"] + 1
-        if obs is None:
-            t.done = True
-            return False
-        t.stats["tool_calls"] += 1
-        ids = self.encode(obs)[:self.max_obs]
-        room = self._room(t)
-        if len(ids) >= room:   # no room left for a turn after it: the observation is cut, the trajectory ends
-            ids, t.done, t.sample.finish_reason, t.stats["truncated"] = ids[:room], True, "length", 1
-        append_observation(t.sample, ids)
-        t.stats["observation_tokens"] += len(ids)
-        return not t.done
-
-    def _finish(self, t: _Trajectory) -> Sample:
-        s = t.sample
-        s.turn_stats = dict(t.stats)
-        s.text = self.decode(s.response_ids)
-        return s
+        return self._runner.generate(prompts, params, [{}] * len(prompts))

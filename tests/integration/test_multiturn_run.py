@@ -112,14 +112,14 @@ async def dies_mid_trajectory(client, row) -> None:
 def test_an_engine_killed_mid_trajectory_loses_and_repeats_nothing(tmp_path):
     """The dedicated engine's process dies between two turns of its trajectories (max_engine_restarts 0): its
     groups go back to the queue whole and run on the colocated engine; every step trains its 16 groups, none twice
-    (the ledger balances), and the run finishes. At max_staleness 1 with partial rollouts: syncs pause turns
+    (the ledger balances), the run finishes, and openai_endpoints.json no longer lists the dead engine. At max_staleness 1 with partial rollouts: syncs pause turns
     mid-decode and the turns go on with the new weights."""
     steps = 4
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu_tool.yaml"), f"experiment.output_dir={tmp_path}",
                       "experiment.name=killed", f"experiment.steps={steps}", "trainer.warm_start_steps=0",
                       "rollout.agent=tests.integration.test_multiturn_run:dies_mid_trajectory",
                       "fault_tolerance.max_engine_restarts=0", "rollout.max_staleness=1",
-                      "rollout.partial_rollouts=true", *QUIET])
+                      "rollout.partial_rollouts=true", "rollout.openai_endpoint=true", *QUIET])
     assert rc == 0
     run = tmp_path / "killed"
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
@@ -130,3 +130,5 @@ def test_an_engine_killed_mid_trajectory_loses_and_repeats_nothing(tmp_path):
     assert fault["engine"] == "dedicated" and "died" in fault["cause"]
     ledger = summary["ledger"]
     assert ledger["balanced"] == 1 and ledger["trained"] == steps * 16 and ledger["requeued_on_failure"] > 0, ledger
+    # the run folder lists the endpoints that serve: the dead engine's is gone
+    assert sorted(json.loads((run / "openai_endpoints.json").read_text())) == ["colocated"]

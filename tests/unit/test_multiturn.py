@@ -1,6 +1,9 @@
 """Multi-turn rollouts as token lists (rlhf_orch/rollout/multiturn.py; issue #29): the calculator tool, trajectories
 assembled from exactly the engine's ids (a scripted engine whose tokenizer would merge them on re-encoding, and the
 real hf engine on CPU), the loss mask with holes into the train batch, turn metrics, limits, aborts, tool errors."""
+import threading
+import time
+
 import pytest
 import torch
 
@@ -136,6 +139,26 @@ def test_an_aborted_turn_ends_the_trajectory_as_aborted_and_a_tool_error_is_an_o
     assert a.finish_reason == "stop" and a.turn_stats["tool_errors"] == 1 and a.turn_stats["turns"] == 3
     assert "calc(2**5)=calc: ValueError 9" in a.text   # Pow is not computed: the error is the observation
     assert b.finish_reason == "abort" and b.turn_stats["turns"] == 2   # the scheduler re-queues its group
+
+
+def test_a_tool_that_hangs_or_breaks_answers_with_an_error_and_the_trajectory_goes_on():
+    eng = Scripted({0: ["calc(1+1)", "calc(2+2)", "9"], 1: ["calc(1+1)", "calc(3+3)", "8"]})
+
+    def tool(text):
+        if text.startswith("calc(1+1)"):   # trajectory 0's and 1's first calls hang past the timeout
+            threading.Event().wait(5)
+        if text.startswith("calc(3+3)"):
+            raise KeyError("boom")
+        return Calculator()(text)
+
+    t0 = time.perf_counter()
+    a, b = MultiTurn(eng.generate, tool, enc, dec, max_turns=4, max_total_tokens=64, max_observation_tokens=32,
+                     tool_timeout_s=1, name="calc").generate([[0], [1]], SamplingParams(max_new_tokens=20))
+    assert time.perf_counter() - t0 < 4   # the hung calls were not waited for
+    assert a.text.startswith("calc(1+1)=calc timed out after 1 s calc(2+2)=4 9"), a.text
+    assert b.text.startswith("calc(1+1)=calc timed out after 1 s calc(3+3)=error KeyError 8"), b.text
+    assert a.turn_stats["tool_errors"] == 1 and b.turn_stats["tool_errors"] == 2
+    assert a.turn_stats["turns"] == b.turn_stats["turns"] == 3
 
 
 def test_loss_mask_holes_reach_the_train_batch_and_metrics():
