@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from datetime import timedelta
 
 import torch
@@ -37,12 +38,27 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: t
     return store
 
 
+def import_deepspeed():
+    """`import deepspeed`, without MLflow: DeepSpeed's autotuner imports mlflow whenever it is installed
+    (deepspeed/autotuning/autotuner.py:31; our mlflow tracker extra installs it), 1.6 s of every rank's start on
+    2 CPU cores, for DeepSpeed's autotuning, which no role here runs. The driver's tracker imports mlflow itself."""
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+        return deepspeed
+    sys.modules["mlflow"] = None   # `import mlflow` raises ImportError while DeepSpeed is imported
+    try:
+        import deepspeed
+    finally:
+        del sys.modules["mlflow"]
+    return deepspeed
+
+
 def init_rank(rank: int, world_size: int, device: str) -> torch.device:
     """Join this process's data-parallel group as `rank` of `world_size` (nccl on cuda, gloo on cpu), through our
     store at MASTER_ADDR:MASTER_PORT (set by the actor shell), and tell DeepSpeed to adopt it. Returns the device
     the rank computes on (cuda: LOCAL_RANK's GPU of those Ray made visible). Used by every DeepSpeed role: the
     policy ranks and a critic group of its own."""
-    import deepspeed
+    deepspeed = import_deepspeed()   # the first import in a rank's process
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
