@@ -1,7 +1,8 @@
 """Colocation on CPU: the colocated hf engine sleeps (level 2: weights dropped) while the trainer trains,
 and the trainer offloads its ZeRO state while the engines generate. The whole hand-over sequence runs
 through real Ray actors and DeepSpeed; it must change nothing in the numbers: losses, rewards and sync
-digests equal a run without it, and every sync after a wake is checksum-verified."""
+digests equal a run without it, and every sync after a wake is checksum-verified. The run without it is also the
+RL loop's end-to-end check through both transports (rl_steps_through_both_transports)."""
 import json
 import sys
 from pathlib import Path
@@ -18,9 +19,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 
 def _run(tmp_path, name, zero_stage, extra):
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "experiment.steps=3", f"experiment.name={name}",
-                      f"experiment.output_dir={tmp_path}", "trainer.warm_start_steps=0", f"trainer.zero_stage={zero_stage}",
-                      "ray.num_cpus=2", "metrics.ray_metrics=false", "metrics.plots=false", "metrics.trackers=[jsonl]",
-                      *extra])
+                      f"experiment.output_dir={tmp_path}", "trainer.warm_start_steps=2", f"trainer.zero_stage={zero_stage}",
+                      "ray.num_cpus=2", "metrics.ray_metrics=false", "weight_sync.bucket_size_mb=0.1", *extra])
     assert rc == 0
     return [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
@@ -28,7 +28,9 @@ def _run(tmp_path, name, zero_stage, extra):
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_sleep_and_offload_change_nothing_but_memory(tmp_path, zero_stage):
     plain = _run(tmp_path, "plain", zero_stage, [])
-    coloc = _run(tmp_path, "coloc", zero_stage, ["engines.0.sleep_level=2", "trainer.offload=true"])
+    rl_steps_through_both_transports(tmp_path / "plain", plain)
+    coloc = _run(tmp_path, "coloc", zero_stage, ["engines.0.sleep_level=2", "trainer.offload=true",
+                                                 "metrics.plots=false", "metrics.trackers=[jsonl]"])
     assert len(coloc) == len(plain) == 3
     for a, b in zip(plain, coloc):
         for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "sync/digest", "train/kl"):
@@ -41,6 +43,28 @@ def test_sleep_and_offload_change_nothing_but_memory(tmp_path, zero_stage):
             assert key in b, key
         assert b["colocate/handover_s"] > 0 and "colocate/plan_offload" not in b   # a plan only under offload: auto
         assert "colocate/sleep_s" not in a and "colocate/handover_s" not in a
+
+
+def rl_steps_through_both_transports(run: Path, records: list[dict]) -> None:
+    """RL steps through real Ray actors, real DeepSpeed ranks (ZeRO-2 and ZeRO-3, gloo) and real gloo/shared-memory
+    weight sync into two hf engines: one colocated (ipc), one dedicated (broadcast), in buckets of 0.1 MB. (It was
+    test_rl_loop's own two-step run; the plain run above is the same run with one step more.)"""
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["sync/version"] == r["step"]
+        assert r["sync/checksum_ok"] == 1.0
+        assert r["sync/ipc_engines"] == 1 and r["sync/broadcast_engines"] == 1
+        assert r["sync/bytes"] > 400_000          # the whole tiny model moved
+        assert r["rollout/samples"] == 16 * 8
+        # engines generated with exactly the trainer's weights
+        assert r["rollout/logprob_diff_max"] < 1e-3
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["syncs"] == 4 and summary["verified_syncs"] == 4
+    assert set(summary["transports"].values()) == {"ipc from trainer rank 0", "broadcast from trainer rank 0"}
+    assert (run / "plots" / "reward.png").stat().st_size > 1000
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step3"
+    assert json.loads((run / "checkpoints" / "step3" / "rl_state.json").read_text())["step"] == 3
 
 
 def test_offload_auto_on_cpu_moves_nothing_and_matches_offload_false(tmp_path):

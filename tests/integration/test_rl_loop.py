@@ -1,5 +1,6 @@
-"""Two RL steps through real Ray actors, real DeepSpeed ranks (ZeRO-2 and ZeRO-3, gloo) and real
-gloo/shared-memory weight sync into two hf engines: one colocated (ipc), one dedicated (broadcast)."""
+"""The RL loop's clear failures: an infeasible placement refused before Ray starts, and a reward function that
+raises, which leaves metrics, a checkpoint and plots. (The loop's steps through both transports, ZeRO-2 and ZeRO-3,
+are checked on test_colocation.py's plain runs.)"""
 import json
 import sys
 from pathlib import Path
@@ -26,34 +27,6 @@ def test_infeasible_placement_is_a_clear_error_and_cleans_up(tmp_path, capsys):
     assert "trainer.num_ranks: the run needs 2.25 CPUs" in err and "raise ray.num_cpus" in err, err
     assert not ray.is_initialized()
 
-
-
-@pytest.mark.usefixtures("shared_ray")
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_two_rl_steps_both_transports(tmp_path, zero_stage):
-    rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "experiment.steps=2",
-                      f"experiment.name=it{zero_stage}", f"experiment.output_dir={tmp_path}",
-                      "trainer.warm_start_steps=2", f"trainer.zero_stage={zero_stage}",
-                      "ray.num_cpus=2", "weight_sync.bucket_size_mb=0.1"])
-    assert rc == 0
-    run = tmp_path / f"it{zero_stage}"
-    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
-    for r in records:
-        assert r["sync/version"] == r["step"]
-        assert r["sync/checksum_ok"] == 1.0
-        assert r["sync/ipc_engines"] == 1 and r["sync/broadcast_engines"] == 1
-        assert r["sync/bytes"] > 400_000          # the whole tiny model moved
-        assert r["rollout/samples"] == 16 * 8
-        # engines generated with exactly the trainer's weights
-        assert r["rollout/logprob_diff_max"] < 1e-3
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["syncs"] == 3 and summary["verified_syncs"] == 3
-    assert set(summary["transports"].values()) == {"ipc from trainer rank 0", "broadcast from trainer rank 0"}
-    assert (run / "plots" / "reward.png").stat().st_size > 1000
-    assert list((run / "tb").glob("events.out.tfevents.*"))
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step2"
-    assert json.loads((run / "checkpoints" / "step2" / "rl_state.json").read_text())["step"] == 2
 
 
 @pytest.mark.usefixtures("shared_ray")
