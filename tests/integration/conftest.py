@@ -7,8 +7,8 @@ machine, and the modules that use this fixture make 2-11 runs each. Every run st
 placement group and removes them at its end (a left-over named actor would fail the next run of the module).
 
 Not for modules whose runs need their own Ray: environment variables set by the test for the actors (Ray's
-workers inherit the raylet's environment, fixed when Ray starts), a Ray started with other resources or options,
-or a driver in another process.
+workers inherit the raylet's environment, fixed when Ray starts; the recording reward functions' file is set for
+every Ray below: `reward_record`), a Ray started with other resources or options, or a driver in another process.
 
 One Ray serves every module that takes it in all its tests: those modules run first (pytest_collection_modifyitems
 below), one after the other, and the Ray stays up between them (~6 s of start and stop saved per module on 2 cores).
@@ -17,12 +17,30 @@ a run does; a module that mixes both shuts it down at its end, and so does one t
 (`KILLS_PROCESSES = True` in the module: what a kill leaves behind stays out of the next module's runs); those
 modules run last in the group.
 """
+import os
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import ray
 
 from driver.ray_session import init_ray
+
+
+# Recording reward functions (test_eval_run, test_gsm8k_run, test_reward_model_run, test_batch_reward_run) append what
+# they score to the file this names. Ray's workers inherit the raylet's environment, fixed when Ray starts, so it is
+# set here, before any Ray (the shared one included), and each test that reads it empties it first (reward_record).
+RECORD_ENV = "RLHF_ORCH_TEST_REWARD_RECORD"
+os.environ.setdefault(RECORD_ENV, os.path.join(tempfile.mkdtemp(prefix="rlhf_orch_record_"), "scored.jsonl"))
+
+
+@pytest.fixture
+def reward_record() -> Path:
+    """The recording reward functions' file, emptied."""
+    path = Path(os.environ[RECORD_ENV])
+    path.write_text("")
+    return path
 
 
 def _all_shared(items) -> bool:

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 RECORD = "RLHF_ORCH_TEST_REWARD_RECORD"
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
 
@@ -39,9 +39,8 @@ async def async_batch_reward(responses: list[str], rows: list[dict]) -> list[flo
     return values
 
 
-def test_async_batch_reward_scores_the_run_in_the_reward_worker(tmp_path, monkeypatch):
-    record = tmp_path / "calls.jsonl"
-    monkeypatch.setenv(RECORD, str(record))
+def test_async_batch_reward_scores_the_run_in_the_reward_worker(tmp_path, reward_record):
+    record = reward_record
     fn = "tests.integration.test_batch_reward_run:async_batch_reward"
     assert launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                         "experiment.name=batch_reward", "experiment.steps=2", "trainer.warm_start_steps=0",

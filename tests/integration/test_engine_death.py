@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
+KILLS_PROCESSES = True   # an engine dies in the run: the shared Ray stops after this module
 COMMON = ["experiment.name=death", "trainer.warm_start_steps=0", "ray.num_cpus=2", "metrics.trackers=[jsonl]",
           "metrics.ray_metrics=false", "experiment.steps=3", "fault_tolerance.max_engine_restarts=0"]
 

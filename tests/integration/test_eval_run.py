@@ -17,15 +17,15 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false"]
 TRAINING_KEYS = ("rollout/reward_mean", "rollout/reward_std", "rollout/tokens", "train/loss", "train/kl",
                  "train/grad_norm", "sync/digest", "sync/version")
-RECORD = "RLHF_ORCH_TEST_EVAL_RECORD"
+RECORD = "RLHF_ORCH_TEST_REWARD_RECORD"   # set for every Ray of the tests (integration/conftest.py)
 
 
 def recording_exact_match(response: str, row: dict) -> float:
-    """exact_match that also appends the row and value to $RLHF_ORCH_TEST_EVAL_RECORD (the reward worker inherits
+    """exact_match that also appends the row and value to $RLHF_ORCH_TEST_REWARD_RECORD (the reward worker inherits
     the driver's environment on a local Ray)."""
     from rlhf_orch.rewards.builtin import exact_match
 
@@ -81,11 +81,10 @@ def test_eval_every_two_steps_leaves_training_unchanged(tmp_path):
     assert (on / "plots" / "reward.png").stat().st_size > 1000
 
 
-def test_eval_on_the_test_split_of_a_parquet_folder(tmp_path, monkeypatch):
+def test_eval_on_the_test_split_of_a_parquet_folder(tmp_path, monkeypatch, reward_record):
     pytest.importorskip("datasets")
     monkeypatch.chdir(ROOT)   # the config's data paths are relative to the repository root
-    record = tmp_path / "scored.jsonl"
-    monkeypatch.setenv(RECORD, str(record))
+    record = reward_record
     run, records = _run(tmp_path, "gsm8k_eval", "experiment.steps=1", "trainer.warm_start_steps=2", "eval.every=1",
                         "eval.max_prompts=8", "metrics.plots=false",
                         "reward.function=tests.integration.test_eval_run:recording_exact_match",

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 pytest.importorskip("datasets")
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
 RECORD = "RLHF_ORCH_TEST_REWARD_RECORD"
@@ -32,10 +32,9 @@ def recording_gsm8k(response: str, row: dict) -> float:
     return value
 
 
-def test_gsm8k_parquet_run(tmp_path, monkeypatch):
+def test_gsm8k_parquet_run(tmp_path, monkeypatch, reward_record):
     monkeypatch.chdir(ROOT)   # the config's data paths are relative to the repository root
-    record = tmp_path / "scored.jsonl"
-    monkeypatch.setenv(RECORD, str(record))
+    record = reward_record
     fn = "tests.integration.test_gsm8k_run:recording_gsm8k"
     from rlhf_orch.config import load_config
     from rlhf_orch.rewards.check import DUMMY_RESPONSES

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 from tests.baselines import baseline  # noqa: E402  (as tests.*: reward workers import this module by that name)
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
 RECORD = "RLHF_ORCH_TEST_REWARD_RECORD"
 
@@ -33,9 +33,8 @@ def recording_exact_match(response: str, row: dict) -> float:
     return value
 
 
-def test_rewards_are_the_weighted_sum_of_rule_and_reward_model(tmp_path, monkeypatch):
-    record = tmp_path / "scored.jsonl"
-    monkeypatch.setenv(RECORD, str(record))
+def test_rewards_are_the_weighted_sum_of_rule_and_reward_model(tmp_path, reward_record):
+    record = reward_record
     fn = "tests.integration.test_reward_model_run:recording_exact_match"
     assert launch.main(["--config", str(ROOT / "configs/tiny_cpu_rm.yaml"), f"experiment.output_dir={tmp_path}",
                         "experiment.name=rm", "experiment.steps=3", f"reward.function={fn}", *QUIET]) == 0
