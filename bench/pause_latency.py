@@ -225,8 +225,8 @@ SGLANG_PARTS = ("census_s", "drain_s")
 
 
 class Sglang(Engine):
-    """rlhf_orch's StreamingSGLangEngine (kind sglang, streaming) with dummy weights of `--model`'s shape. Not yet
-    run on a GPU (written in the twelfth session for #27's SGLang pause)."""
+    """rlhf_orch's StreamingSGLangEngine (kind sglang, streaming) with dummy weights of `--model`'s shape; the pause
+    split into SGLANG_PARTS (results: bench/RESULTS.md, "One GPU, thirteenth session")."""
 
     def __init__(self, args):
         path, self.vocab = _random_model(args, "-sglang")
