@@ -141,6 +141,12 @@ class EngineLifecycle:
         self.progress_steps = 0   # decode steps taken: the health check's sign of life
 
     def _check_can_generate(self) -> None:
+        with self._cond:
+            # A call made during a keep or abort pause waits for resume, as a request sent to a streaming engine does:
+            # a multi-turn trajectory's next turn, asked for inside a generate call the rollout actor admitted before
+            # the sync (tests/integration/test_multiturn_run.py's killed-engine run failed on it once in CI).
+            while self._paused and self._pause_mode is not None:
+                self._cond.wait()
         if self._paused:
             raise EngineError(f"engine {self.name}: generate called while paused for a weight sync")
         if self._asleep:
