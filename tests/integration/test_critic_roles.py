@@ -5,10 +5,9 @@ every policy rank, one critic warm-up step), to 1e-6, sync digests included:
 - colocated, with trainer.offload: the critic's states now leave the "GPU" with the policy's at every hand-over to
   the engines (on CPU a CPU-to-CPU move: the bookkeeping is exercised, the numbers must not move);
 - separate: a critic group of two ranks of its own (its own process group and DeepSpeed engine) computes the values
-  of each policy shard and trains while the policy ranks train; stopped after step 3 and resumed to step 6, so its
-  checkpoint (inside the policy's) is written and loaded too;
-- separate, with critic rank 1's process killed (SIGKILL) after step 4: the run restarts itself from its step-4
-  checkpoint and ends on the recorded numbers.
+  of each policy shard and trains while the policy ranks train; critic rank 1's process is killed (SIGKILL) after
+  step 3 and the run restarts itself from its step-2 checkpoint; stopped after step 4 and resumed to step 6, so the
+  group's checkpoint (inside the policy's) is written and loaded too; ends on the recorded numbers.
 """
 import json
 import signal
@@ -53,26 +52,26 @@ def test_colocated_critic_offloads_with_the_policy_and_trains_as_before(tmp_path
     assert not any("perf/critic_train_s" in r for r in records)   # no critic group: the critic is in the ranks
 
 
-def test_separate_critic_group_trains_as_the_colocated_one_and_resumes(tmp_path):
-    apart = ["critic.placement=separate", "critic.num_ranks=2"]
-    _run(tmp_path, "apart", 3, *apart)
-    ckpt = tmp_path / "apart" / "checkpoints" / "step3"
+def test_separate_critic_group_restarts_after_a_kill_and_resumes_exactly(tmp_path):
+    """A critic group of two ranks of its own. First segment, 4 steps: critic rank 1's process is killed (SIGKILL)
+    after step 3 and the run restarts itself from its step-2 checkpoint. Second segment: resumed from the step-4
+    checkpoint (the group's own DeepSpeed checkpoint inside the policy's) to step 6. Both on the recorded numbers.
+    (One run where there were two: a 3-step run resumed to 6, and a 6-step run killed after step 4.)"""
+    apart = ["critic.placement=separate", "critic.num_ranks=2", "trainer.checkpoint_every=2"]
+    info = {}
+    killer = _fault_at(tmp_path / "apart", 3, signal.SIGKILL, "-critic-1", info)
+    first = _run(tmp_path, "apart", 4, *apart)
+    killer.join(timeout=5)
+    assert info.get("pid") and "error" not in info, info
+    summary = json.loads((tmp_path / "apart" / "summary.json").read_text())
+    [restart] = summary["run_restarts"]
+    assert "critic" in restart["error"] and summary["resumed_from"] >= 2 and summary["status"] == "finished", summary
+    ckpt = tmp_path / "apart" / "checkpoints" / "step4"
     assert (ckpt / "critic").is_dir() and any((ckpt / "critic").iterdir())   # the group's own DeepSpeed checkpoint
     records = _run(tmp_path, "apart", 6, *apart, "resume=true")
+    assert records[:4] == first
     _same_as_recorded(records)
     # The group's own timings: its value pass and its step (beside the policy's), every step.
     assert all(r["perf/critic_values_s"] > 0 and r["perf/critic_train_s"] > 0 for r in records)
     summary = json.loads((tmp_path / "apart" / "summary.json").read_text())
-    assert summary["resumed_from"] == 3 and summary["status"] == "finished"
-
-
-def test_killed_critic_rank_restarts_the_run_from_its_checkpoint_exactly(tmp_path):
-    info = {}
-    killer = _fault_at(tmp_path / "kill", 4, signal.SIGKILL, "-critic-1", info)
-    records = _run(tmp_path, "kill", 6, "critic.placement=separate", "critic.num_ranks=2", "trainer.checkpoint_every=2")
-    killer.join(timeout=5)
-    assert info.get("pid") and "error" not in info, info
-    _same_as_recorded(records)
-    summary = json.loads((tmp_path / "kill" / "summary.json").read_text())
-    [restart] = summary["run_restarts"]
-    assert "critic" in restart["error"] and summary["resumed_from"] >= 2 and summary["status"] == "finished", summary
+    assert summary["resumed_from"] == 4 and summary["status"] == "finished"
