@@ -304,9 +304,9 @@ class MultiTurnSection(_Section):
         "and observations); a trajectory that reaches it ends with finish_reason length. Default: max_turns x (the "
         "engine's sampling.max_new_tokens + max_observation_tokens), every turn's whole budget.")
     max_observation_tokens: int = Field(16, ge=1, description="Tokens of one observation at most (cut beyond).")
-    tool_timeout_s: float = Field(10.0, gt=0, description="Seconds a tool call may take (multi_turn's tool and an agent's "
-                                  "client.tool); then the turn "
-                                  "gets an error observation (a hung tool never ends the run).")
+    tool_timeout_s: float = Field(10.0, gt=0, description="Seconds a tool call may take (multi_turn's tool and an "
+                                  "agent's client.tool); then the turn gets an error observation (a hung tool never "
+                                  "ends the run).")
 
     def total_tokens(self, max_new_tokens: int) -> int:
         """max_total_tokens, or its default for an engine whose turns have `max_new_tokens`."""

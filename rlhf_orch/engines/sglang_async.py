@@ -285,7 +285,8 @@ class AsyncSGLangRunner:
         """Returns once paused: "wait" when every request ended; "keep" once the scheduler is paused and has said
         how many tokens each request has (the tokens still on their way from the detokenizer are waited for in
         `resume`, after the weights loaded, before later tokens get the new version: the pause does not wait for
-        that backlog, as the vLLM engine's does not); "abort" once every request ended (with the tokens that reached it: the caller re-queues them)."""
+        that backlog, as the vLLM engine's does not); "abort" once every request ended (with the tokens that reached
+        it: the caller re-queues them)."""
         if mode not in PAUSE_MODES:
             raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         if self.paused_mode is not None:
@@ -455,7 +456,8 @@ class StreamingSGLangEngine(SGLangEngine):
         if mode not in PAUSE_MODES:
             raise EngineError(f"engine {self.name}: unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
         self.runner.pause(mode)
-        # its parts in seconds (census, drain); the runner's counts ("kept", "aborted") and "exact" flag stay in its own record
+        # its parts in seconds (census, drain); the runner's counts ("kept", "aborted") and "exact" flag stay in its
+        # own record
         self.last_pause = {k: float(v) for k, v in self.runner.last_pause.items() if k.endswith("_s") and k != "pause_s"}
         self._paused = True
 

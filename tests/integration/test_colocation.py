@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 
 def _run(tmp_path, name, zero_stage, extra):
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "experiment.steps=3", f"experiment.name={name}",
-                      f"experiment.output_dir={tmp_path}", "trainer.warm_start_steps=2", f"trainer.zero_stage={zero_stage}",
+                      f"experiment.output_dir={tmp_path}", "trainer.warm_start_steps=2",
+                      f"trainer.zero_stage={zero_stage}",
                       "ray.num_cpus=2", "metrics.ray_metrics=false", "weight_sync.bucket_size_mb=0.1", *extra])
     assert rc == 0
     return [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]

@@ -112,8 +112,9 @@ async def dies_mid_trajectory(client, row) -> None:
 def test_an_engine_killed_mid_trajectory_loses_and_repeats_nothing(tmp_path):
     """The dedicated engine's process dies between two turns of its trajectories (max_engine_restarts 0): its
     groups go back to the queue whole and run on the colocated engine; every step trains its 16 groups, none twice
-    (the ledger balances), the run finishes, and openai_endpoints.json no longer lists the dead engine. At max_staleness 1 with partial rollouts: syncs pause turns
-    mid-decode and the turns go on with the new weights."""
+    (the ledger balances), the run finishes, and openai_endpoints.json no longer lists the dead engine. At
+    max_staleness 1 with partial rollouts: syncs pause turns mid-decode and the turns go on with the new weights (a
+    turn asked for during a pause waits for it to end)."""
     steps = 4
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu_tool.yaml"), f"experiment.output_dir={tmp_path}",
                       "experiment.name=killed", f"experiment.steps={steps}", "trainer.warm_start_steps=0",
