@@ -26,7 +26,8 @@ from rlhf_orch.engines import SamplingParams, engine_class, engine_options
 from rlhf_orch.engines.base import streams_over
 from rlhf_orch.errors import EngineError
 from rlhf_orch.gpu_memory import devices_used_gb
-from rlhf_orch.rollout.agent import AgentRunner, agent_table, resolve_agent
+from rlhf_orch.rollout.agent import AgentRunner
+from rlhf_orch.rollout.agent_specs import agent_table, resolve_agent
 from rlhf_orch.rollout.multiturn import TOOLS, MultiTurn
 from rlhf_orch.rollout.openai_server import OpenAIEndpoint
 from rlhf_orch.weight_sync import WeightReceiver

@@ -18,7 +18,7 @@ from rlhf_orch.config.schema import ExperimentConfig, RolloutSection, engine_nam
 from rlhf_orch.data.tasks import TASKS
 from rlhf_orch.models.tiny import BUILTIN_PREFIX, CHARS, SPECIAL_TOKENS
 from rlhf_orch.rewards import NO_FUNCTION
-from rlhf_orch.rollout.agent import agent_problems
+from rlhf_orch.rollout.agent_specs import agent_problems
 from rlhf_orch.trainer.packing import flash_attn_available
 # schema.py imports this module inside its validator (the checks need its sections), so importing the schema (for
 # `rlhf-orch --help`) loads none of the above. transformers is imported where a model folder is read.

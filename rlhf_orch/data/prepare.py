@@ -18,7 +18,7 @@ from rlhf_orch.data.rows import DataSpec, build_rows
 from rlhf_orch.data.sources import read_records
 from rlhf_orch.errors import DataError
 from rlhf_orch.models.tiny import build_tokenizer
-from rlhf_orch.rollout.agent import row_agent_problems
+from rlhf_orch.rollout.agent_specs import row_agent_problems
 
 _PREPARED: dict[DataSpec, list[dict]] = {}   # the data section's file fields -> rows (the driver only)
 ANSWER_REWARDS = "rlhf_orch.rewards.builtin:"   # every built-in rule reward reads row["answer"]

@@ -140,7 +140,6 @@ class MultiTurn:
                  encode: Callable[[str], list[int]], decode: Callable[[list[int]], str], max_turns: int,
                  max_total_tokens: int, max_observation_tokens: int, tool_timeout_s: float | None = None,
                  name: str = "tool"):
-        self.tool = tool
         self._runner = AgentRunner(generate, lambda client, row: agents.tool_loop(client, name),
                                    _Codec(encode, decode), {name: _Observing(tool)}, max_turns, max_total_tokens,
                                    max_observation_tokens, tool_timeout_s)

@@ -17,7 +17,8 @@ from rlhf_orch.engines.base import SamplingParams
 from rlhf_orch.errors import ConfigError, RolloutError
 from rlhf_orch.models import build_tokenizer
 from rlhf_orch.rollout import agents
-from rlhf_orch.rollout.agent import AgentRunner, parse_tool_calls, resolve_agent, tool_schema_problem
+from rlhf_orch.rollout.agent import AgentRunner, parse_tool_calls, tool_schema_problem
+from rlhf_orch.rollout.agent_specs import resolve_agent
 from rlhf_orch.rollout.multiturn import TOOLS, Calculator, MultiTurn
 from rlhf_orch.types import Sample
 from test_multiturn import Scripted, dec, enc, split

@@ -12,7 +12,8 @@ from rlhf_orch.data.prepare import rows_for
 from rlhf_orch.engines.base import SamplingParams
 from rlhf_orch.errors import ConfigError, RolloutError
 from rlhf_orch.rollout import agents
-from rlhf_orch.rollout.agent import AgentRunner, agent_table, resolve_agent
+from rlhf_orch.rollout.agent import AgentRunner
+from rlhf_orch.rollout.agent_specs import agent_table, resolve_agent
 from rlhf_orch.rollout.multiturn import TOOLS
 from test_agent import ChatModel, ChatTok
 
