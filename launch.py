@@ -164,7 +164,8 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
     import torch
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
-    from driver.cluster import Cluster   # Ray, and below torch: only once a run starts
+    # Ray and torch (these modules import them) only once a run starts: `launch.py --help` answers at once
+    from driver.cluster import Cluster
     from rlhf_orch.rollout_utils import reward_summary, warm_start_pairs
     from rlhf_orch.checkpoint import CheckpointPolicy
     from rlhf_orch.evaluation import eval_set_for, last_eval

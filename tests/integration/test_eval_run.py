@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
+from rlhf_orch.rewards.builtin import exact_match  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false"]
@@ -27,7 +28,6 @@ RECORD = "RLHF_ORCH_TEST_REWARD_RECORD"   # set for every Ray of the tests (inte
 def recording_exact_match(response: str, row: dict) -> float:
     """exact_match that also appends the row and value to $RLHF_ORCH_TEST_REWARD_RECORD (the reward worker inherits
     the driver's environment on a local Ray)."""
-    from rlhf_orch.rewards.builtin import exact_match
 
     value = exact_match(response, row)
     with open(os.environ[RECORD], "a", encoding="utf-8") as f:

@@ -14,6 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
+from rlhf_orch.config import load_config  # noqa: E402
+from rlhf_orch.rewards.check import DUMMY_RESPONSES  # noqa: E402
+from rlhf_orch.rewards.math import gsm8k  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 pytest.importorskip("datasets")
@@ -24,7 +27,6 @@ RECORD = "RLHF_ORCH_TEST_REWARD_RECORD"
 def recording_gsm8k(response: str, row: dict) -> float:
     """The config's gsm8k reward, also appending the row it was given and the caller's pid to
     $RLHF_ORCH_TEST_REWARD_RECORD (the reward worker inherits the driver's environment on a local Ray)."""
-    from rlhf_orch.rewards.math import gsm8k
 
     value = gsm8k(response, row)
     with open(os.environ[RECORD], "a", encoding="utf-8") as f:
@@ -36,9 +38,6 @@ def test_gsm8k_parquet_run(tmp_path, monkeypatch, reward_record):
     monkeypatch.chdir(ROOT)   # the config's data paths are relative to the repository root
     record = reward_record
     fn = "tests.integration.test_gsm8k_run:recording_gsm8k"
-    from rlhf_orch.config import load_config
-    from rlhf_orch.rewards.check import DUMMY_RESPONSES
-    from rlhf_orch.rewards.math import gsm8k
     assert load_config("configs/gsm8k_cpu.yaml").reward.function == "rlhf_orch.rewards.math:gsm8k"   # what we record
     assert launch.main(["--config", "configs/gsm8k_cpu.yaml", f"experiment.output_dir={tmp_path}", "experiment.name=gsm8k",
                         "experiment.steps=2", "trainer.warm_start_steps=2", f"reward.function={fn}", *QUIET]) == 0
@@ -71,7 +70,6 @@ def _check_export(run: Path, row: dict) -> None:
     run did (with the run's template file), holds the run's sampling defaults, is covered by the manifest, generates."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from rlhf_orch.config import load_config
     hf = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip() / "hf"
     manifest = json.loads((hf.parent / "manifest.json").read_text())["files"]
     assert {"hf/model.safetensors", "hf/tokenizer.json", "hf/tokenizer_config.json", "hf/generation_config.json"} <= set(manifest)

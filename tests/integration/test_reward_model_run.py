@@ -15,6 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
+from rlhf_orch.rewards.builtin import exact_match  # noqa: E402
+from rlhf_orch.rewards.check import DUMMY_RESPONSES  # noqa: E402
+from rlhf_orch.rewards.model import RewardModel  # noqa: E402
 from tests.baselines import baseline  # noqa: E402  (as tests.*: reward workers import this module by that name)
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
@@ -25,7 +28,6 @@ RECORD = "RLHF_ORCH_TEST_REWARD_RECORD"
 def recording_exact_match(response: str, row: dict) -> float:
     """exact_match that also appends what it scored to the file named by $RLHF_ORCH_TEST_REWARD_RECORD (the reward
     worker inherits the driver's environment on a local Ray), so the test can recompute every reward."""
-    from rlhf_orch.rewards.builtin import exact_match
 
     value = exact_match(response, row)
     with open(os.environ[RECORD], "a", encoding="utf-8") as f:
@@ -44,12 +46,10 @@ def test_rewards_are_the_weighted_sum_of_rule_and_reward_model(tmp_path, reward_
 
     # The reward model the workers used: built once by the driver, under <output_dir>/models/.
     (rm_dir,) = (tmp_path / "models").glob("tiny-rm-*")
-    from rlhf_orch.rewards.model import RewardModel
     rm = RewardModel(str(rm_dir), batch_size=7)     # another batch size than the worker's: scores do not depend on it
 
     everything = [json.loads(l) for l in record.read_text().splitlines()]
     # launch.prepare's pre-launch check called the function here, in the driver, with its two placeholder responses.
-    from rlhf_orch.rewards.check import DUMMY_RESPONSES
     assert [r["response"] for r in everything if r["pid"] == os.getpid()] == list(DUMMY_RESPONSES)
     scored = [r for r in everything if r["pid"] != os.getpid()]   # the reward worker's calls
     per_step = 16 * 8                               # max_staleness 0: step s scores exactly its 128 samples, in order

@@ -7,9 +7,11 @@ import time
 import pytest
 import torch
 
+from rlhf_orch.data.dataset import load_rows
 from rlhf_orch.engines import engine_class
 from rlhf_orch.engines.base import SamplingParams
 from rlhf_orch.models import build_tokenizer
+from rlhf_orch.rewards.builtin import tool_final_answer
 from rlhf_orch.rollout.batching import staleness_metrics, turn_metrics
 from rlhf_orch.rollout.multiturn import Calculator, MultiTurn, ToolError
 from rlhf_orch.trainer.batch import build_train_batch
@@ -214,8 +216,6 @@ def test_the_hf_engine_trajectory_keeps_every_id_it_produced(tiny_model_dir):
 # ---------------------------------------------------------------- the CPU example's task and reward
 
 def test_tool_sums_rows_and_the_final_answer_reward():
-    from rlhf_orch.data.dataset import load_rows
-    from rlhf_orch.rewards.builtin import tool_final_answer
     rows = load_rows("builtin:tool_sums")
     assert len(rows) == 40 * 40 and rows == load_rows("builtin:tool_sums")   # seeded order
     r = next(x for x in rows if x["prompt"] == "12+34=")
