@@ -181,7 +181,8 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
     summary = {} if summary is None else summary
     eval_set = eval_set if eval_set is not None else eval_set_for(cfg, tokenizer)   # None: evaluation off
     try:
-        cluster = Cluster.start(cfg, run_dir, model_path, dataset, tokenizer.pad_token_id)   # Ray, all actors, sinks
+        cluster = Cluster.start(cfg, run_dir, model_path, dataset, tokenizer.pad_token_id,   # Ray, all actors, sinks
+                                bool(restarts))
         sinks = cluster.outputs.sinks
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _on_sigterm)   # ray.init put its own (sys.exit) in place of ours
@@ -262,6 +263,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
                        verified_syncs=verified + sum(int(r.get("sync/checksum_ok") == 1.0) for r in records + [tail or {}]))
         if cluster is not None:   # by slot: a replaced engine ("dedicated.r1") under its slot's name
             summary["transports"] = {cluster.slots.get(n, {}).get("base", n): t for n, t in (cluster.plan or {}).items()}
+            summary["nodes"] = {"at_start": getattr(cluster, "nodes_at_start", {}), "at_end": cluster.locate()}   # each actor's Ray node
         if _IN_STEP:   # failed after this step began training: no checkpoint may label its update as the step before
             logger.warning("final checkpoint skipped: the trainers may already hold step %d's update, which did not "
                            "complete; a resume starts from the latest periodic checkpoint", _IN_STEP[0])
@@ -359,7 +361,7 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
             # coordinator is replaced in place, driver/recovery.py).
             if is_actor_death(e) and len(restarts) < cfg.fault_tolerance.max_run_restarts and not _STOPPING:
                 restarts.append({"t": time.time(), "error": str(e).splitlines()[0][:500],
-                                 "last_step": summary.get("last_step")})
+                                 "last_step": summary.get("last_step"), "lost": _lost(summary)})
                 faults.extend(summary.get("faults", []))
                 if cfg.fault_tolerance.step_snapshots:   # the restart's Checkpoints.find picks between the two
                     source = "its latest step snapshot or checkpoint"
@@ -373,8 +375,12 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
                 cfg = cfg.model_copy(update={"resume": True})   # the dataset here was never drawn from: same order
                 stop_ray()
                 continue
-            sys.stderr.write(f"error: {type(e).__name__}: {e}\nmetrics and checkpoints so far are in {run_dir}\n")
-            summary.update(status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+            lost = restarts[-1].get("lost") if restarts else None
+            where = (f" (a restart after losing node(s) {sorted({n[:12] for n in lost.values()})}, which held "
+                     f"{', '.join(sorted(lost))}: add nodes with the labels of the nodes section and run again with "
+                     "resume=true)") if lost else ""
+            sys.stderr.write(f"error: {type(e).__name__}: {e}{where}\nmetrics and checkpoints so far are in {run_dir}\n")
+            summary.update(status="failed", error=f"{type(e).__name__}: {str(e).splitlines()[0]}{where}")
             rc = 1
             break
     summary["faults"] = faults + summary.get("faults", [])
@@ -398,6 +404,14 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
     finally:
         stop_ray()   # after summary.json: a SIGTERM while Ray stops its processes ends this driver at once
     return rc
+
+
+def _lost(summary: dict) -> dict:
+    """{actor: node id} of the actors that answered at the start of the failed segment and not at its end: on a
+    cluster, a lost node shows as every actor it held (the restart waits for nodes that match their labels)."""
+    nodes = summary.get("nodes", {})
+    return {who: where["node_id"] for who, where in nodes.get("at_start", {}).items()
+            if where and nodes.get("at_end", {}).get(who, where) is None}
 
 
 _EARLIER: dict[str, dict] = {}   # summary.json as an earlier process left it, read once per run folder

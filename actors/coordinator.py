@@ -31,7 +31,7 @@ import time
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from actors.common import get, setup_process
+from actors.common import Located, get, setup_process
 from rlhf_orch.config.schema import WeightSyncSection
 from rlhf_orch.errors import ACTOR_DIED, WeightSyncError
 from rlhf_orch.weight_sync import digest, make_plan, plan_buckets
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0)
-class WeightSyncCoordinator:
+class WeightSyncCoordinator(Located):
     def __init__(self, trainers: list, engines: dict, device: str, dtype: str, ws: WeightSyncSection):
         """`ws`: the run's weight_sync section (transport, bucket size, verification, deadline, load replay)."""
         setup_process("cpu")
@@ -76,7 +76,11 @@ class WeightSyncCoordinator:
         trainer_devs = self._get([t.device_id.remote() for t in self.trainers], "trainer device ids")
         names = list(self.engines)
         engine_devs = dict(zip(names, self._get([self.engines[n].device_ids.remote() for n in names], "engine device ids")))
-        self.plan = make_plan(trainer_devs, engine_devs, self.transport)
+        # Their Ray nodes too: IPC only between processes of one node (weight_sync/plan.py).
+        trainer_nodes = [n["node_id"] for n in self._get([t.node.remote() for t in self.trainers], "trainer nodes")]
+        engine_nodes = {n: w["node_id"] for n, w in zip(names, self._get([self.engines[n].node.remote() for n in names],
+                                                                         "engine nodes"))}
+        self.plan = make_plan(trainer_devs, engine_devs, self.transport, trainer_nodes, engine_nodes)
         specs = self._get(self.trainers[0].param_specs.remote(self.dtype), "parameter specs")
         self.layouts = plan_buckets(specs, self.bucket_bytes)
         self.timeout_s = sync_deadline_s(sum(b.nbytes for b in self.layouts), self.configured_timeout)

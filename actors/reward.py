@@ -17,7 +17,7 @@ from pathlib import Path
 
 import ray
 
-from actors.common import setup_process
+from actors.common import Located, beside, setup_process
 from rlhf_orch.config.schema import RewardSection
 from rlhf_orch.models.reward_tiny import RM_BUILTIN, ensure_reward_model_dir
 from rlhf_orch.rewards.model import RewardModel
@@ -25,7 +25,7 @@ from rlhf_orch.rewards.scorer import RewardScorer
 
 
 @ray.remote(num_cpus=0)
-class RewardActor:
+class RewardActor(Located):
     def __init__(self, function: str | None, model_path: str | None = None, function_weight: float = 1.0,
                  model_weight: float = 1.0, device: str = "cpu", batch_size: int = 16, dtype: str = "float32",
                  batch: bool = False, timeout_s: float | None = None, dense: bool = False):
@@ -67,11 +67,13 @@ class RewardWorkers:
     model_path: str | None   # resolved (builtin:tiny-rm built) before any worker starts
     run_name: str
     env: dict
+    node: str | None = None  # the driver's node: workers (replacements the manager starts too) stay beside it
 
     def start(self, label: str):
         """A RewardActor named <run>-reward-<label>, hosting the configured reward sources."""
         r = self.section
-        resources = {"num_gpus": 1} if self.model_path and r.device == "cuda" else {}
+        # A GPU worker goes wherever Ray finds a GPU; a CPU one stays beside the driver (actors/common.beside).
+        resources = {"num_gpus": 1} if self.model_path and r.device == "cuda" else beside(self.node)
         return RewardActor.options(name=f"{self.run_name}-reward-{label}", runtime_env={"env_vars": self.env},
                                    **resources).remote(r.function, self.model_path, r.function_weight, r.model_weight,
                                                        r.device, r.batch_size, r.dtype, r.batch, r.timeout_s, r.dense)
@@ -79,5 +81,5 @@ class RewardWorkers:
 
 def start_reward_workers(cfg, name: str, env: dict) -> tuple[list, RewardWorkers]:
     """`reward.num_workers` RewardActors named <name>-reward-<i>, and how to start more (replacements)."""
-    spec = RewardWorkers(cfg.reward, resolve_reward_model(cfg), name, env)
+    spec = RewardWorkers(cfg.reward, resolve_reward_model(cfg), name, env, ray.get_runtime_context().get_node_id())
     return [spec.start(str(i)) for i in range(cfg.reward.num_workers)], spec

@@ -21,7 +21,7 @@ import time
 
 import ray
 
-from actors.common import get, setup_process
+from actors.common import Located, get, setup_process
 from rlhf_orch.algorithms.base import make_algorithm
 from rlhf_orch.config.schema import ExperimentConfig
 from rlhf_orch.distributed import init_rank
@@ -34,7 +34,7 @@ from rlhf_orch.weight_sync.collective import free_port
 
 
 @ray.remote
-class RoleActor:
+class RoleActor(Located):
     def __init__(self, role: str, rank: int, world_size: int, device: str):
         setup_process(device)
         self.role, self.rank, self.world_size, self.device = role, rank, world_size, device
@@ -104,8 +104,11 @@ class RoleActor:
 
 
 class RoleGroup:
-    def __init__(self, role: str, num: int, device: str, name: str, env: dict, timeout_s: float, gpus: float = 1.0):
+    def __init__(self, role: str, num: int, device: str, name: str, env: dict, timeout_s: float, gpus: float = 1.0,
+                 labels: dict | None = None):
         resources = {"num_gpus": gpus} if device == "cuda" else {"num_cpus": 0}
+        if labels:   # nodes.critic / nodes.reference: the nodes these ranks may run on
+            resources["label_selector"] = dict(labels)
         self.role, self.timeout_s = role, timeout_s
         self.actors = [RoleActor.options(name=f"{name}-{role}-{i}", runtime_env={"env_vars": env}, **resources)
                        .remote(role, i, num, device) for i in range(num)]
@@ -159,9 +162,10 @@ def start_role_groups(cfg, name: str, env: dict, timeout_s: float, model_path: s
     references = critics = None
     if "reference" in roles and cfg.reference.placement == "separate":
         references = RoleGroup("reference", cfg.reference.num_workers, device, name, env, timeout_s,
-                               cfg.reference.gpus_per_worker)
+                               cfg.reference.gpus_per_worker, cfg.nodes.reference)
     if "critic" in roles and cfg.critic.placement == "separate":
-        critics = RoleGroup("critic", cfg.critic.num_ranks, device, name, env, timeout_s, cfg.critic.gpus_per_rank)
+        critics = RoleGroup("critic", cfg.critic.num_ranks, device, name, env, timeout_s, cfg.critic.gpus_per_rank,
+                            cfg.nodes.critic)
         try:
             critics.load(cfg.critic.model_path or model_path, cfg)
         except BaseException:   # the caller never sees these groups, so it could not stop them

@@ -18,7 +18,7 @@ import time
 
 import ray
 
-from actors.common import kill_descendants, setup_process
+from actors.common import Located, kill_descendants, setup_process
 from transformers import AutoTokenizer
 
 from rlhf_orch.config.schema import EngineConfig, RolloutSection
@@ -36,7 +36,7 @@ from rlhf_orch.weight_sync.replay import LoadReplay
 
 
 @ray.remote(max_concurrency=64)
-class RolloutActor:
+class RolloutActor(Located):
     def __init__(self, name: str, ecfg: EngineConfig, device: str, device_id: str, model_path: str, dtype: str,
                  seed: int, hooks: dict | None = None, rollout: RolloutSection | None = None,
                  agent_key: str = "agent_name"):

@@ -35,7 +35,7 @@ import time
 import ray
 from ray.exceptions import RayActorError
 
-from actors.common import setup_process
+from actors.common import Located, setup_process
 from actors.reward import RewardWorkers
 from rlhf_orch.algorithms.base import make_algorithm
 from rlhf_orch.config.schema import ExperimentConfig, RolloutSection
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0)
-class RolloutManager:
+class RolloutManager(Located):
     def __init__(self, engines: dict, rewarders: list, dataset, params: dict, cfg: ExperimentConfig, pad_id: int,
                  t0: float, reward_workers: RewardWorkers | None = None):
         """`cfg`: the run's typed config (its rollout, algorithm, fault_tolerance sections are read here);

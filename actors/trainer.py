@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from actors.common import actor_env, get, setup_process
+from actors.common import Located, actor_env, get, setup_process
 from rlhf_orch.config.schema import ExperimentConfig
 from rlhf_orch.errors import TrainerError
 from rlhf_orch.gpu_memory import process_memory, stats, with_peak
@@ -34,7 +34,7 @@ if TYPE_CHECKING:   # the driver's placement, for the annotation only: actors/ n
 
 # health and abort_sync answer while a call runs; "sync" sends staged weights while the next step trains
 @ray.remote(concurrency_groups={"control": 1, "sync": 1})
-class TrainerActor:
+class TrainerActor(Located):
     def __init__(self, rank: int, world_size: int, device: str, device_id: str):
         setup_process(device)
         self.rank, self.world_size, self.device = rank, world_size, device

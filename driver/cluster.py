@@ -48,9 +48,11 @@ def engine_env(env: dict, ecfg) -> dict:
 
 class Cluster(EngineRecovery):
     @classmethod
-    def start(cls, cfg, run_dir: Path, model_path: str, dataset, pad_id: int) -> "Cluster":
-        """Everything up and the sync plan made; on any failure, what was started is torn down first."""
+    def start(cls, cfg, run_dir: Path, model_path: str, dataset, pad_id: int, restarting: bool = False) -> "Cluster":
+        """Everything up and the sync plan made; on any failure, what was started is torn down first. `restarting`:
+        after a fault, so placement waits for nodes that may be joining (driver/placement.allocate)."""
         self = cls()
+        self.restarting = restarting
         self.cfg, self.run_dir, self.timeout = cfg, Path(run_dir), cfg.ray.get_timeout_s
         self.placement = None
         self.trainers, self.coordinator, self.engines, self.rewarders = None, None, {}, []
@@ -65,6 +67,7 @@ class Cluster(EngineRecovery):
         self.ready: list[str] = []          # replacements synced and verified, to be given work at the next batch
         self._eval_handover: dict = {}      # an evaluation's hand-over to generate: reported with the next step's
         self.engine_restarts = 0
+        self.nodes: dict = {}               # actor -> {"node_id", "ip"} at start (locate)
         self.timeline = Timeline()
         self.checkpoints = Checkpoints(cfg, self.run_dir, model_path, self.timeline)   # find, write, restore
         self.outputs = RunOutputs(cfg, self.run_dir, self.timeline)   # sinks, rollouts.jsonl, timeline, plots
@@ -96,7 +99,7 @@ class Cluster(EngineRecovery):
             self.ledger_base = state.get("rollout", {}).get("ledger", {})
         self.outputs.open(None if state is None else state["step"])   # records after the checkpoint dropped
         name, device = cfg.experiment.name, cfg.trainer.device
-        self.placement = allocate(cfg, self.timeout)
+        self.placement = allocate(cfg, self.timeout, wait_for_nodes=self.restarting)
         self.trainers = TrainerGroup(self.placement, device, name, self.timeout)
         env = actor_env(device)
         self.sampling, sleep_levels = {}, {}
@@ -141,6 +144,31 @@ class Cluster(EngineRecovery):
         self._start_coordinator(f"{name}-weight-sync", self.coordinator)
         stage("reward workers up, weight-sync groups made")
         logger.info("cluster up: %d trainer ranks, engines %s, sync plan %s", cfg.trainer.num_ranks, list(self.engines), self.plan)
+        self.nodes = self.locate()              # kept current: a replacement's node replaces its slot's
+        self.nodes_at_start = dict(self.nodes)
+        by_node: dict = {}
+        for who, where in self.nodes.items():
+            by_node.setdefault(f"{where['node_id'][:8]} ({where['ip']})" if where else "unknown", []).append(who)
+        logger.info("placement by node: %s", "; ".join(f"{n}: {', '.join(w)}" for n, w in by_node.items()))
+
+    def locate(self) -> dict:
+        """{actor: {"node_id", "ip"}} of every actor of the run that answers within 10 s (None for one that does
+        not): summary.json's `nodes`, and where a fault happened."""
+        actors = {f"trainer-{r}": a for r, a in enumerate(self.trainers.actors if self.trainers else [])}
+        actors.update({f"engine-{self.slots.get(n, {}).get('base', n)}": a for n, a in self.engines.items()})
+        for group in (self.references, self.critics):
+            actors.update({f"{group.role}-{i}": a for i, a in enumerate(group.actors)} if group else {})
+        actors.update({f"reward-{i}": a for i, a in enumerate(self.rewarders)})
+        actors.update({"weight-sync": self.coordinator, "rollout-manager": self.rollouts})
+        refs = {who: a.node.remote() for who, a in actors.items() if a is not None}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=10.0)
+        out = {}
+        for who, ref in refs.items():
+            try:
+                out[who] = ray.get(ref, timeout=0) if ref in ready else None
+            except Exception:   # died meanwhile
+                out[who] = None
+        return out
 
     def _make_engine(self, ename: str, restart: int = 0):
         """The rollout actor of slot `ename` on its placement bundle. A replacement (restart >= 1) gets a sampling

@@ -10,16 +10,21 @@ compares.
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rlhf_orch.config import ExperimentConfig, engine_names
-from rlhf_orch.errors import ConfigError
+from rlhf_orch.config.nodes import bundle_selectors, unmatched
+from rlhf_orch.errors import ConfigError, EngineError
 
 from rlhf_orch.resources import CPU_SLOT, bundle_resources, fit_problem   # CPU_SLOT: 0.25 logical CPUs per CPU slot
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,8 +56,47 @@ class Placement:
     def release(self) -> None:
         remove_placement_group(self.pg)
 
+    def bundle_node(self, bundle: int) -> str:
+        """The node Ray has bundle `bundle` on now ('' while it is being placed again after its node died)."""
+        return placement_group_table(self.pg).get("bundles_to_node_id", {}).get(bundle, "")
 
-def allocate(cfg: ExperimentConfig, timeout_s: float) -> Placement:
+    def wait_moved(self, bundle: int, lost_node: str, timeout_s: float, what: str) -> str:
+        """After `lost_node` died: wait until Ray has placed `bundle` again on a live node (it does so by itself on a
+        node whose labels and free resources fit), and return that node. Raises EngineError naming the node and the
+        fix when no node takes it within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            node = self.bundle_node(bundle)
+            if node and node != lost_node:
+                return node
+            time.sleep(0.2)
+        raise EngineError(f"{what}: its node {lost_node[:12]} is gone and no other node with the labels and free "
+                          f"resources of its slot took it within {timeout_s:.0f}s; add a node (`ray start --address ... "
+                          "--labels`) or widen the nodes section's selector")
+
+
+@ray.remote(num_cpus=0)
+def _probe() -> int:
+    return 1
+
+
+def node_alive(node_id: str, timeout_s: float = 10.0) -> bool:
+    """Whether `node_id`'s raylet still runs work: a tiny task pinned to it. Ray's own view of a node (ray.nodes())
+    lags its death by seconds, in which a replacement put on it would die again; a node that fails the probe is dead
+    (or too far gone to host anything)."""
+    if not node_id:
+        return False
+    try:
+        return ray.get(_probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(),
+                       timeout=timeout_s) == 1
+    except Exception:
+        return False
+
+
+def allocate(cfg: ExperimentConfig, timeout_s: float, wait_for_nodes: bool = False) -> Placement:
+    """The run's placement group, ready. `wait_for_nodes` (a restart after a fault, which may have taken a node with
+    it): a cluster that lacks the nodes or resources the run needs is waited on for up to `timeout_s`, as a replacement
+    node may be joining, instead of refused at once."""
     n = cfg.trainer.num_ranks
     trainer_bundles = list(range(n))
     engine_bundles: dict[str, list[int]] = {}
@@ -71,12 +115,24 @@ def allocate(cfg: ExperimentConfig, timeout_s: float) -> Placement:
     cuda = cfg.trainer.device == "cuda"
     bundles = bundle_resources(cfg)   # the same slots as above, in the same order
     problem = cluster_fit_problem(cfg)
+    deadline, said = time.monotonic() + timeout_s, 0.0
+    while problem and wait_for_nodes and time.monotonic() < deadline:
+        if time.monotonic() - said > 30:
+            logger.warning("restart waits for the cluster (up to ray.get_timeout_s=%.0fs): %s", timeout_s, problem)
+            said = time.monotonic()
+        time.sleep(1.0)
+        problem = cluster_fit_problem(cfg)
     if problem:   # at once: a placement group that can never fit would only time out after timeout_s
         raise ConfigError(problem)
-    pg = placement_group(bundles, strategy="PACK", name=f"{cfg.experiment.name}-pg")
+    selectors = bundle_selectors(cfg)   # node labels per bundle (the nodes section); none on one machine
+    pg = placement_group(bundles, strategy=cfg.nodes.strategy, name=f"{cfg.experiment.name}-pg",
+                         bundle_label_selector=selectors if any(selectors) else None)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
+        problem = cluster_fit_problem(cfg)   # again: a node lost meanwhile (Ray's view lags a death by seconds)
+        if problem:
+            raise ConfigError(problem)
         need = sum(gpus) if cuda else len(gpus) * CPU_SLOT
         key = "GPU" if cfg.trainer.device == "cuda" else "CPU"
         raise ConfigError(f"placement: the run needs {need:g} {key}s ({n} trainer ranks + dedicated engines); the "
@@ -97,4 +153,11 @@ def cluster_fit_problem(cfg: ExperimentConfig) -> str | None:
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     widest = max((r.get("GPU", 0.0) for r in nodes), default=0.0)
     where = f"the Ray cluster ({len(nodes)} node{'s' * (len(nodes) != 1)}: {total.get('CPU', 0):g} CPUs, {total.get('GPU', 0):g} GPUs)"
-    return fit_problem(cfg, total.get("CPU", 0.0), total.get("GPU", 0.0), where, widest if nodes else None)
+    problem = fit_problem(cfg, total.get("CPU", 0.0), total.get("GPU", 0.0), where, widest if nodes else None)
+    labels = [n.get("Labels", {}) for n in ray.nodes() if n.get("Alive")]
+    lines = ([problem] if problem else []) + unmatched(cfg, labels)
+    slots = len(bundle_resources(cfg))
+    if cfg.nodes.strategy == "STRICT_SPREAD" and slots > len(nodes):
+        lines.append(f"nodes.strategy: STRICT_SPREAD puts each of the run's {slots} device slots on its own node but "
+                     f"{where} has {len(nodes)}; use SPREAD or PACK, or add nodes")
+    return "\n".join(lines) or None

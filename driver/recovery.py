@@ -23,10 +23,11 @@ import time
 
 import ray
 
-from actors.common import get
+from actors.common import beside, get
 from actors.coordinator import WeightSyncCoordinator
 from actors.rollout import sampling_params
 from actors.rollout_manager import RolloutManager
+from driver.placement import node_alive
 from rlhf_orch.errors import EngineError, RolloutError, WeightSyncError, is_actor_death
 from rlhf_orch.rollout.scheduler import whole_run_ledger
 
@@ -81,7 +82,7 @@ class EngineRecovery:
     def _new_coordinator(self, name: str):
         """The weight-sync coordinator's actor over the current trainer ranks and engines; no call made to it yet."""
         cfg = self.cfg
-        return WeightSyncCoordinator.options(name=name, runtime_env={"env_vars": self.env}).remote(
+        return WeightSyncCoordinator.options(name=name, runtime_env={"env_vars": self.env}, **beside()).remote(
             self.trainers.actors, self.engines, cfg.trainer.device, cfg.model.dtype, cfg.weight_sync)
 
     def _start_coordinator(self, name: str, actor=None) -> None:
@@ -108,7 +109,7 @@ class EngineRecovery:
         """The rollout manager over the live engines and reward workers (its settings made once, in Cluster._build)."""
         dataset, pad_id, reward_workers = self._manager_args
         params = {n: sampling_params(self.sampling[n], self.cfg.algorithm.group_size) for n in self.engines}
-        self.rollouts = RolloutManager.options(name=name, runtime_env={"env_vars": self.env}).remote(
+        self.rollouts = RolloutManager.options(name=name, runtime_env={"env_vars": self.env}, **beside()).remote(
             self.engines, self.rewarders, dataset, params, self.cfg, pad_id, self.timeline.t0, reward_workers)
 
     def _manager(self, method: str, *args):
@@ -229,7 +230,8 @@ class EngineRecovery:
         for name, rec in dead.items():
             self.engines.pop(name, None)
             self.colocation.sleep_levels.pop(name, None)
-            entry = {**rec, "replacement": None}
+            entry = {**rec, "replacement": None,   # the node it ran on (self.nodes: at start, or its replacement's)
+                     "node": (self.nodes.get(f"engine-{self.slots.get(name, {}).get('base', name)}") or {}).get("node_id")}
             self.faults.append(entry)
             if self.engine_restarts >= ft.max_engine_restarts:
                 logger.error("engine %s is dead and fault_tolerance.max_engine_restarts=%d is spent: going on with %s",
@@ -237,6 +239,7 @@ class EngineRecovery:
                 continue
             self.engine_restarts += 1
             slot = self.slots[name]
+            self._wait_for_slot(name, slot, entry)
             new_name = f"{slot['base']}.r{self.engine_restarts}"
             self.slots[new_name] = slot
             self.sampling[new_name] = self.sampling[name]
@@ -253,6 +256,8 @@ class EngineRecovery:
             self.colocation.take_back()
         if not (replan or new):
             return []
+        for n in new:
+            self.nodes[f"engine-{self.slots[n]['base']}"] = get(self.engines[n].node.remote(), self.timeout, f"engine {n}'s node")
         info = get(self.coordinator.reconfigure.remote(self.engines), self.sync_timeout,
                    "weight-sync re-plan with the replacement engines", WeightSyncError)
         self.plan = info["plan"]
@@ -261,6 +266,18 @@ class EngineRecovery:
         if self.cfg.rollout.openai_endpoint:   # the dead engine's endpoint is gone, a replacement serves its own
             self.write_endpoints()
         return new
+
+    def _wait_for_slot(self, name: str, slot: dict, entry: dict) -> None:
+        """On a multi-node cluster an engine may have died with its node: then Ray moves its placement slot to a live
+        node that fits (nodes section), and the replacement must wait for that, or it would be put on the dead node
+        and die at once. On one node there is nothing to wait for (a dead node would be the driver's own)."""
+        node = entry.get("node")
+        if not node or sum(1 for n in ray.nodes() if n.get("Alive")) < 2 or node_alive(node):
+            return
+        logger.warning("engine %s died with its node %s: waiting for Ray to place its slot on another node", name,
+                       node[:12])
+        entry["node_lost"] = True
+        entry["moved_to"] = self.placement.wait_moved(slot["bundle"], node, self.timeout, f"engine {name}")
 
     def _started(self, wait: bool) -> list[str]:
         """Replacements that are up (all of them, waiting, with `wait`) move from `starting` to the live engines."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from rlhf_orch.algorithms.base import algorithm_names, make_algorithm
 from rlhf_orch.algorithms.losses import KL_ESTIMATORS, LOSS_AGG_MODES
 from rlhf_orch.algorithms.off_policy import resolve_off_policy
+from rlhf_orch.config.nodes import node_problems
 from rlhf_orch.config.schema import ExperimentConfig, RolloutSection, engine_names
 from rlhf_orch.data.tasks import TASKS
 from rlhf_orch.models.tiny import BUILTIN_PREFIX, CHARS, SPECIAL_TOKENS
@@ -204,7 +205,7 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
         if e.sleep_level and e.kind == "vllm" and not e.enable_sleep_mode:
             p.append(f"engines.{i}.sleep_level: vLLM sleeps only with enable_sleep_mode: true; set it or sleep_level: 0")
     p.extend(rollout_problems(cfg))
-    p.extend(ray_problems(cfg))
+    p.extend(ray_problems(cfg) + node_problems(cfg))
     if cfg.trainer.offload and cfg.trainer.zero_stage == 0:
         how = "auto may offload, and offloading" if cfg.trainer.offload == "auto" else "offloading"
         p.append(f"trainer.offload: {how} moves ZeRO's optimizer partitions; set trainer.zero_stage to 1, 2 or 3")

@@ -17,6 +17,7 @@ from rlhf_orch.config.base import _Section
 # The engine entries live in their own module; re-exported here, where the rest of the config is.
 from rlhf_orch.config.engine_sections import (ENGINE_KINDS, EngineConfig, HFEngineConfig, SamplingSection,  # noqa: F401
                                               SGLangEngineConfig, VLLMEngineConfig)
+from rlhf_orch.config.nodes import NodesSection
 from rlhf_orch.metrics.trackers import renamed_keys_message, tracker_problems, wandb_online_problem
 from rlhf_orch.models.tiny import BUILTIN_PREFIX, TinyModelSpec
 from rlhf_orch.rewards import NO_FUNCTION
@@ -460,6 +461,7 @@ class ExperimentConfig(_Section):
     resume: bool = Field(False, description="Continue from <run>/checkpoints/latest (same next batch); fresh start if none.")
     experiment: ExperimentSection = Field(default_factory=ExperimentSection, description="Run identity and length.")
     ray: RaySection = Field(default_factory=RaySection, description="Ray cluster.")
+    nodes: NodesSection = Field(default_factory=NodesSection, description="Which cluster nodes each role runs on.")
     model: ModelSection = Field(default_factory=ModelSection, description="Policy model.")
     data: DataSection = Field(default_factory=DataSection, description="Prompt dataset.")
     reward: RewardSection = Field(default_factory=RewardSection, description="Reward function.")

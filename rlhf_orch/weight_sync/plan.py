@@ -4,7 +4,10 @@ Every trainer rank and every engine worker reports a device id: a GPU's UUID on 
 placement slot it was given ("<node>/cpu-slot<k>", the stand-in for a device). A single-worker engine
 that sits on a trainer rank's device gets `ipc` from that rank (a tensor-parallel engine spans devices
 that no one rank holds, so it is fed by broadcast); any other engine
-gets `broadcast` through the one group of trainer rank 0 plus all broadcast-engine workers.
+gets `broadcast` through the one group of trainer rank 0 plus all broadcast-engine workers. IPC (CUDA IPC, or
+shared memory on CPU) works only between processes of one node, so where the actors report their Ray nodes an
+engine gets `ipc` only from a rank on its own node, whatever the device ids say (on a multi-node cluster a config
+that forces ipc across nodes is refused, naming both nodes).
 `transport` in the config may force one (with checks). This module is pure: no processes, no I/O.
 """
 from __future__ import annotations
@@ -36,8 +39,10 @@ class SyncPlan:
         return {name: f"{r.transport} from trainer rank {r.sender_rank}" for name, r in self.routes.items()}
 
 
-def make_plan(trainer_devices: list[str], engine_devices: dict[str, list[str]], transport: str = "auto") -> SyncPlan:
-    """`trainer_devices[r]` is rank r's device id; `engine_devices[name]` lists that engine's workers' ids."""
+def make_plan(trainer_devices: list[str], engine_devices: dict[str, list[str]], transport: str = "auto",
+              trainer_nodes: list[str] | None = None, engine_nodes: dict[str, str] | None = None) -> SyncPlan:
+    """`trainer_devices[r]` is rank r's device id; `engine_devices[name]` lists that engine's workers' ids.
+    `trainer_nodes[r]` / `engine_nodes[name]`: the Ray node ids they run on (None: not known, one node assumed)."""
     if transport not in ("auto", "ipc", "broadcast"):
         raise ConfigError(f"weight_sync.transport: unknown value {transport!r}; use auto, ipc or broadcast")
     where = {dev: rank for rank, dev in enumerate(trainer_devices)}
@@ -47,6 +52,14 @@ def make_plan(trainer_devices: list[str], engine_devices: dict[str, list[str]], 
     problems = []
     for name, devs in engine_devices.items():
         colocated = len(devs) == 1 and devs[0] in where
+        if colocated and trainer_nodes and engine_nodes and engine_nodes.get(name) != trainer_nodes[where[devs[0]]]:
+            if transport == "ipc":
+                problems.append(f"weight_sync.transport: ipc forced, but engine {name!r} runs on node "
+                                f"{str(engine_nodes.get(name))[:12]} and its trainer rank {where[devs[0]]} on node "
+                                f"{trainer_nodes[where[devs[0]]][:12]}; IPC works inside one node only: use auto or "
+                                "broadcast")
+                continue
+            colocated = False
         if transport == "ipc" and not colocated:
             problems.append(f"weight_sync.transport: ipc forced, but engine {name!r} does not share a trainer "
                             "device; use auto or broadcast")

@@ -211,6 +211,19 @@ def test_make_plan_forced_ipc_with_remote_engine_is_a_config_error():
         make_plan(["d0"], {"a": ["d0"]}, transport="nvlink")
 
 
+def test_make_plan_never_chooses_ipc_across_nodes():
+    # Same device ids (a stand-in that cannot tell nodes apart), different Ray nodes: broadcast, never IPC.
+    trainers, engines = ["d0", "d1"], {"same": ["d0"], "other_node": ["d1"]}
+    plan = make_plan(trainers, engines, "auto", ["node-a", "node-a"], {"same": "node-a", "other_node": "node-b"})
+    assert plan.routes["same"].transport == "ipc" and plan.routes["other_node"].transport == "broadcast"
+    assert plan.ipc_targets == {0: ["same"]} and plan.group_world_size == 2
+    with pytest.raises(ConfigError) as ei:   # forcing IPC across nodes names both nodes
+        make_plan(trainers, engines, "ipc", ["node-a", "node-a"], {"same": "node-a", "other_node": "node-b"})
+    assert "other_node" in str(ei.value) and "node-b" in str(ei.value) and "node-a" in str(ei.value)
+    # Without node information the device ids decide, as on one machine.
+    assert make_plan(trainers, engines).routes["other_node"].transport == "ipc"
+
+
 def test_make_plan_without_broadcast_engines_has_no_group():
     plan = make_plan(["d0", "d1"], {"a": ["d0"], "b": ["d1"]})
     assert plan.group_world_size == 0 and plan.broadcast_engines == []
