@@ -2,7 +2,7 @@
 
 A run places its trainer ranks and engines through one placement group (driver/placement.py). On one machine
 nothing here matters: every selector is empty and the strategy is PACK, exactly as before this section existed. On
-a cluster, nodes carry labels (`ray start --labels '{"rlhf-role": "trainer"}'`, KubeRay's `rayStartParams`) and
+a cluster, nodes carry labels (`ray start --labels=rlhf-role=trainer`, a KubeRay group's `labels`) and
 the section names, per role, the labels a node must have:
 
   nodes:
