@@ -16,15 +16,17 @@ passed to each call (driver/cluster.py's Cluster owns them). It decides nothing 
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
 from pathlib import Path
 
 from actors.common import get
-from rlhf_orch.checkpoint import (checkpoint_dir, commit, find_good, read_rl_state, snapshot_dir, staging_dir, tag_step,
-                                  write_rl_state)
-from rlhf_orch.errors import EngineError
+from rlhf_orch.checkpoint import (MANIFEST, checkpoint_dir, commit, find_good, mark_latest, read_rl_state, snapshot_dir,
+                                  staging_dir, tag_step, write_rl_state)
+from rlhf_orch.errors import CheckpointError, EngineError
+from rlhf_orch.storage import Store
 from rlhf_orch.metrics.timeline import Timeline
 from rlhf_orch.trainer.export import export_spec
 
@@ -41,10 +43,15 @@ class Checkpoints:
         self.resume_notes: list[str] = []    # why a checkpoint was skipped, or why the resume is not bit-exact
         self.boundary_rngs: dict | None = None   # engines' sampling RNGs after the last completed step (step_boundary)
         self._rng_capable = True
+        uri = cfg.experiment.storage_uri   # the run folder mirrored there (rlhf_orch/storage.py)
+        self.store = Store(f"{uri.rstrip('/')}/{cfg.experiment.name}") if uri else None
+        self.remote_nodes: list = []   # one trainer rank per node other than the driver's (Cluster sets it)
 
     def find(self) -> dict | None:
         """The RL state of the last good checkpoint, read once at start (None: there is none); notes why a corrupt
         latest one was skipped."""
+        if self.store is not None:
+            self._fetch_latest()
         tag, self.resume_notes = find_good(self.dir)
         folder = self.dir
         # A step snapshot later than the periodic checkpoint wins, if this folder holds the run it was taken of (one
@@ -107,6 +114,8 @@ class Checkpoints:
             if self.cfg.trainer.export_hf and not snapshot:   # the policy with the run's tokenizer, chat template, sampling
                 trainers.call("export_hf", str(stage / "hf"), export_spec(self.cfg, self.model_path))
             final = commit(base, tag, 1 if snapshot else self.cfg.trainer.keep_checkpoints)
+            if self.store is not None and not snapshot:
+                self._publish(tag, final, timeout)
         gb = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 1e9
         (logger.debug if snapshot else logger.info)("%s %s written (%.3f GB)", "snapshot" if snapshot else "checkpoint",
                                                     final, gb)
@@ -118,6 +127,9 @@ class Checkpoints:
             logger.warning("no checkpoint in %s to continue from: starting from step 1", self.dir)
             return None
         folder, tag, state, tensors = self.resume_from
+        if self.store is not None and folder == self.dir:   # ranks on other nodes fetch it onto their own disks
+            get([a.fetch_files.remote(self.store.uri, f"checkpoints/{tag}", str(folder / tag)) for a in self.remote_nodes],
+                timeout, f"trainer ranks to download checkpoint {tag}", CheckpointError)
         trainers.call("load_checkpoint", str(folder), tag)
         if critics is not None:
             critics.call("load_checkpoint", str(folder / tag), "critic")
@@ -131,6 +143,48 @@ class Checkpoints:
         logger.info("resumed from %s (step %d)", folder / tag, state["step"])
         return state
 
+    # ---- the mirror in storage_uri ------------------------------------------------------------------------------
+    def _publish(self, tag: str, final: Path, timeout: float) -> None:
+        """Upload committed checkpoint `tag`: every other node's files by a trainer rank there (from its staging folder
+        when the rename happened only here), then this node's, then the manifest of all, then `latest`; then the run's
+        outputs and the newest keep_checkpoints remote checkpoints kept."""
+        t0, rel = time.perf_counter(), f"checkpoints/{tag}"
+        others = get([a.upload_files.remote([str(final), str(final.parent / f".tmp-{tag}")], self.store.uri, rel)
+                      for a in self.remote_nodes], timeout, f"trainer ranks to upload checkpoint {tag}", CheckpointError)
+        manifest = json.loads((final / MANIFEST).read_text())
+        for files in others:   # shards this node never saw: their digests as the ranks that wrote them computed
+            manifest["files"].update({n: {"bytes": b, "sha256": h} for n, (b, h) in files.items()
+                                      if n not in manifest["files"] and n != MANIFEST})
+        self.store.put_tree(final, rel, skip=(MANIFEST,), hashes=False)
+        self.store.write(f"{rel}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+        self.store.write("checkpoints/latest", f"{tag}\n".encode())   # the commit
+        if (self.dir / "reference.pt").exists() and self.store.read("checkpoints/reference.pt.done") is None:
+            self.store.put_file(self.dir / "reference.pt", "checkpoints/reference.pt")
+            self.store.write("checkpoints/reference.pt.done", b"1")
+        keep = self.cfg.trainer.keep_checkpoints
+        tags = sorted((t for t in self.store.dirs("checkpoints") if t.startswith("step") and t[4:].isdigit()),
+                      key=lambda t: int(t[4:]), reverse=True)
+        for old in [t for t in tags if t != tag][max(0, keep - 1):] if keep > 0 else []:
+            self.store.remove(f"checkpoints/{old}")
+        self.store.put_tree(self.dir.parent, "", skip=("checkpoints", ".run.lock"), hashes=False)
+        logger.info("checkpoint %s uploaded to %s in %.1f s (%d other node(s))", tag, self.store.uri,
+                    time.perf_counter() - t0, len(self.remote_nodes))
+
+    def _fetch_latest(self) -> None:
+        """Before resuming: the checkpoint the remote `latest` names, the reference and the run's records, downloaded
+        into this node's run folder where missing (find_good then verifies them against the manifest)."""
+        tag = (self.store.read("checkpoints/latest") or b"").decode().strip()
+        for name in ("metrics.jsonl", "rollouts.jsonl", "summary.json", "timeline.jsonl"):
+            if not (self.dir.parent / name).exists():
+                self.store.get_file(name, self.dir.parent / name)
+        if not tag:
+            return
+        got = self.store.get_tree(f"checkpoints/{tag}", self.dir / tag)
+        if not (self.dir / "reference.pt").exists():
+            self.store.get_file("checkpoints/reference.pt", self.dir / "reference.pt")
+        mark_latest(self.dir, tag)
+        logger.info("checkpoint %s from %s: %.3f GB downloaded", tag, self.store.uri, got / 1e9)
+
     @property
     def reference_path(self) -> str:
         return str(self.dir / "reference.pt")
@@ -139,6 +193,9 @@ class Checkpoints:
         """Freeze the KL reference as RL starts (a resumed run reuses the saved one): inside every policy rank, or
         written once by the policy ranks and loaded by the separate reference group."""
         keep = references is None
+        if resumed and self.store is not None:   # the frozen reference onto the other nodes' disks
+            get([a.fetch_files.remote(self.store.uri, "checkpoints/reference.pt", self.reference_path)
+                 for a in self.remote_nodes], self.cfg.ray.get_timeout_s, "the reference's download", CheckpointError)
         trainers.call("snapshot_reference", self.reference_path, resumed, keep)
         if not keep:
             with self.timeline.span("reference", "load"):

@@ -146,6 +146,13 @@ class Cluster(EngineRecovery):
         logger.info("cluster up: %d trainer ranks, engines %s, sync plan %s", cfg.trainer.num_ranks, list(self.engines), self.plan)
         self.nodes = self.locate()              # kept current: a replacement's node replaces its slot's
         self.nodes_at_start = dict(self.nodes)
+        # One trainer rank per node other than the driver's uploads and fetches that node's checkpoint files (storage_uri).
+        here, seen = ray.get_runtime_context().get_node_id(), set()
+        for r, actor in enumerate(self.trainers.actors):
+            node = (self.nodes.get(f"trainer-{r}") or {}).get("node_id")
+            if node and node != here and node not in seen:
+                seen.add(node)
+                self.checkpoints.remote_nodes.append(actor)
         by_node: dict = {}
         for who, where in self.nodes.items():
             by_node.setdefault(f"{where['node_id'][:8]} ({where['ip']})" if where else "unknown", []).append(who)

@@ -15,6 +15,7 @@ from rlhf_orch.algorithms.base import algorithm_names, make_algorithm
 from rlhf_orch.algorithms.losses import KL_ESTIMATORS, LOSS_AGG_MODES
 from rlhf_orch.algorithms.off_policy import resolve_off_policy
 from rlhf_orch.config.nodes import node_problems
+from rlhf_orch.storage import storage_problems
 from rlhf_orch.config.schema import ExperimentConfig, RolloutSection, engine_names
 from rlhf_orch.data.tasks import TASKS
 from rlhf_orch.models.tiny import BUILTIN_PREFIX, CHARS, SPECIAL_TOKENS
@@ -135,12 +136,11 @@ def output_problems(cfg: ExperimentConfig) -> list[str]:
     """The run folder must be creatable: checked now, not when the first file is written after Ray started."""
     try:   # creating it is what the run would do first anyway; a probe file shows it is writable
         os.makedirs(cfg.experiment.output_dir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=cfg.experiment.output_dir):
-            pass
+        tempfile.NamedTemporaryFile(dir=cfg.experiment.output_dir).close()
     except OSError as e:
         return [f"experiment.output_dir: cannot write to {cfg.experiment.output_dir!r} ({e.strerror or e}); choose a "
                 "folder you can write to"]
-    return []
+    return storage_problems(cfg.experiment.storage_uri, cfg.experiment.name)   # reachable and writable now
 
 
 def cross_field_problems(cfg: ExperimentConfig) -> list[str]:

@@ -18,35 +18,11 @@ from rlhf_orch.config.base import _Section
 from rlhf_orch.config.engine_sections import (ENGINE_KINDS, EngineConfig, HFEngineConfig, SamplingSection,  # noqa: F401
                                               SGLangEngineConfig, VLLMEngineConfig)
 from rlhf_orch.config.nodes import NodesSection
+from rlhf_orch.config.run_sections import ExperimentSection, RaySection  # noqa: F401 (re-exported)
 from rlhf_orch.metrics.trackers import renamed_keys_message, tracker_problems, wandb_online_problem
 from rlhf_orch.models.tiny import BUILTIN_PREFIX, TinyModelSpec
 from rlhf_orch.rewards import NO_FUNCTION
 from rlhf_orch.rewards.model import reward_model_problem
-
-
-class ExperimentSection(_Section):
-    name: str = Field("experiment", min_length=1, description="Run name; used for output folders and metric tags.")
-    output_dir: str = Field("runs", description="Parent folder; the run writes to <output_dir>/<name>/.")
-    seed: int = Field(0, description="Seeds Python, torch and the data order on every actor.")
-    steps: int = Field(100, ge=1, description="RL steps (each: generate -> score -> train -> sync).")
-    log_samples_every: int = Field(25, ge=0, description="Log one decoded sample every N steps (0: never).")
-    overwrite: bool = Field(False, description="A fresh run (resume=false) whose folder holds an earlier run's outputs "
-                            "deletes them first; without it such a run is refused before Ray starts.")
-
-    @field_validator("name")
-    @classmethod
-    def _plain_name(cls, v: str) -> str:
-        # The name is a folder under output_dir: a separator or '..' would write outside it (or into another run).
-        if "/" in v or "\\" in v or v in (".", "..") or v.strip() != v:
-            raise PydanticCustomError("run_name", "not a plain folder name (no '/', '\\', '..' or surrounding spaces); "
-                                      "put the folder in experiment.output_dir and a plain name here")
-        return v
-
-
-class RaySection(_Section):
-    address: str | None = Field(None, description="Ray cluster to join; default: RAY_ADDRESS, else start a local one.")
-    num_cpus: float | None = Field(None, gt=0, description="CPUs for a local Ray (default: the machine's).")
-    get_timeout_s: float = Field(600.0, gt=0, description="Timeout of every blocking wait on an actor.")
 
 
 class ModelSection(_Section):

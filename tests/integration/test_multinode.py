@@ -33,8 +33,9 @@ COMMON = ["metrics.ray_metrics=false", "metrics.plots=false", "metrics.trackers=
 
 
 @pytest.fixture(scope="module")
-def nodes():
+def nodes(request):
     """Three raylets: A (the head, where this driver is), B and C. Each gets one CPU: four device slots of 0.25."""
+    request.config.stop_shared_ray()   # through conftest's switch, or its autouse fixture would disconnect us later
     if ray.is_initialized():
         ray.shutdown()
     # The raylets' workers import this checkout and stay on loopback (they inherit the raylets' environment).
@@ -159,7 +160,8 @@ def test_losing_the_trainers_node_restarts_from_the_checkpoint_on_another_node(t
     spare = {n.node_id: n for n in (cluster.add_node(num_cpus=1, labels=labels) for _ in range(2))}
     cfg = _config(tmp_path, {"trainer": {"rlhf-node": "t"}, "engines": {"rlhf-role": "rollout"}})
     common = ["--config", cfg, f"experiment.output_dir={tmp_path}", "experiment.steps=6", "trainer.checkpoint_every=2",
-              "fault_tolerance.max_run_restarts=1", "ray.get_timeout_s=20", *COMMON]
+              "fault_tolerance.max_run_restarts=1", *COMMON,
+              f"experiment.storage_uri=file://{tmp_path}/bucket"]   # checkpoints also uploaded by the ranks' nodes
 
     def lose_trainer_node(name: str, out: dict):
         try:
@@ -175,7 +177,7 @@ def test_losing_the_trainers_node_restarts_from_the_checkpoint_on_another_node(t
     out: dict = {}
     killer = threading.Thread(target=lose_trainer_node, args=("lose_t", out), daemon=True)
     killer.start()
-    rc = launch.main([*common, "experiment.name=lose_t"])
+    rc = launch.main([*common, "experiment.name=lose_t", "ray.get_timeout_s=120"])
     killer.join(timeout=10)
     assert rc == 0 and "error" not in out, out
     run = tmp_path / "lose_t"
@@ -185,13 +187,15 @@ def test_losing_the_trainers_node_restarts_from_the_checkpoint_on_another_node(t
     [restart] = summary["run_restarts"]
     assert set(restart["lost"].values()) == {out["node"]} and {"trainer-0", "trainer-1"} <= set(restart["lost"])
     assert restart["resumed_from"] >= 2 and summary["ledger"]["balanced"] == 1
+    assert (tmp_path / "bucket" / "lose_t" / "checkpoints" / "latest").read_text().strip() == "step6"
     [other] = spare   # where the restart put the ranks
     assert summary["nodes"]["at_end"]["trainer-0"]["node_id"] == summary["nodes"]["at_end"]["trainer-1"]["node_id"] == other
 
     out = {}   # the other one too, and no node is left with the label
     killer = threading.Thread(target=lose_trainer_node, args=("lose_t_for_good", out), daemon=True)
     killer.start()
-    assert launch.main([*common, "experiment.name=lose_t_for_good"]) == 1
+    # ray.get_timeout_s bounds the restart's wait for a node: short, but long enough for actors' start on 2 busy cores
+    assert launch.main([*common, "experiment.name=lose_t_for_good", "ray.get_timeout_s=45"]) == 1
     killer.join(timeout=10)
     assert out["node"] == other and "error" not in out, out
     run = tmp_path / "lose_t_for_good"

@@ -28,7 +28,13 @@ def small_builtin_models(monkeypatch):
     from rlhf_orch import models
     from rlhf_orch.models import TinyModelSpec
     real = models.ensure_model_dir
-    monkeypatch.setattr(models, "ensure_model_dir", lambda name, spec, out, seed=0: real(name, TinyModelSpec(), out, seed))
+    small = lambda name, spec, out, seed=0: real(name, TinyModelSpec(), out, seed)   # noqa: E731
+    monkeypatch.setattr(models, "ensure_model_dir", small)
+    # launch.py binds the name when imported: an earlier test's import must not give the check the full shape
+    # (multinode_2x4gpu's 8B: ~28 GB to build, which ended the whole unit run by the OOM killer).
+    sys.path.insert(0, str(ROOT))
+    import launch   # here, not at the top: the module's other tests check what `rlhf-orch` imports without it
+    monkeypatch.setattr(launch, "ensure_model_dir", small)
 
 
 def run_cli(capsys, *argv):
