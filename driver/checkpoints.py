@@ -26,7 +26,7 @@ from actors.common import get
 from rlhf_orch.checkpoint import (MANIFEST, checkpoint_dir, commit, find_good, mark_latest, read_rl_state, snapshot_dir,
                                   staging_dir, tag_step, write_rl_state)
 from rlhf_orch.errors import CheckpointError, EngineError
-from rlhf_orch.storage import Store
+from rlhf_orch.storage import Store, run_uri
 from rlhf_orch.metrics.timeline import Timeline
 from rlhf_orch.trainer.export import export_spec
 
@@ -44,7 +44,7 @@ class Checkpoints:
         self.boundary_rngs: dict | None = None   # engines' sampling RNGs after the last completed step (step_boundary)
         self._rng_capable = True
         uri = cfg.experiment.storage_uri   # the run folder mirrored there (rlhf_orch/storage.py)
-        self.store = Store(f"{uri.rstrip('/')}/{cfg.experiment.name}") if uri else None
+        self.store = Store(run_uri(uri, cfg.experiment.name)) if uri else None
         self.remote_nodes: list = []   # one trainer rank per node other than the driver's (Cluster sets it)
 
     def find(self) -> dict | None:

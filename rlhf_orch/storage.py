@@ -32,6 +32,12 @@ def is_uri(path: str | None) -> bool:
     return bool(path) and bool(_SCHEME.match(path))
 
 
+def run_uri(uri: str, name: str) -> str:
+    """The run's folder under storage_uri: `name` joined to the path, before any query (`?endpoint_override=...`)."""
+    base, sep, query = uri.partition("?")
+    return f"{base.rstrip('/')}/{name}{sep}{query}"
+
+
 def local_mirror(uri: str) -> str:
     """The local folder a run mirrored to `uri` writes into on every node (the same path on each): under
     $RLHF_ORCH_LOCAL_RUNS, else ~/.cache/rlhf_orch/runs, named after the URI."""
@@ -55,7 +61,7 @@ class Store:
             from pyarrow import fs as pafs   # optional (the data extra); only runs with storage_uri get here
         except ImportError as e:
             raise ConfigError(f"experiment.storage_uri: {uri!r} needs pyarrow (pip install 'rlhf_orch[data]')") from e
-        self.uri = uri.rstrip("/")
+        self.uri = uri
         self._pafs = pafs
         try:
             self.fs, self.root = pafs.FileSystem.from_uri(self.uri)
@@ -160,7 +166,7 @@ def storage_problems(uri: str | None, name: str) -> list[str]:
     if not uri:
         return []
     try:
-        Store(f"{uri.rstrip('/')}/{name}").check_writable()
+        Store(run_uri(uri, name)).check_writable()
     except ConfigError as e:
         return e.problems
     return []

@@ -5,7 +5,7 @@ import hashlib
 import pytest
 
 from rlhf_orch.errors import ConfigError
-from rlhf_orch.storage import Store, is_uri, local_mirror
+from rlhf_orch.storage import Store, is_uri, local_mirror, run_uri
 
 
 def test_uri_detection_and_the_mirror_folder(monkeypatch, tmp_path):
@@ -13,6 +13,9 @@ def test_uri_detection_and_the_mirror_folder(monkeypatch, tmp_path):
     assert not is_uri("runs") and not is_uri("/abs/runs") and not is_uri(None) and not is_uri("c:/x")
     monkeypatch.setenv("RLHF_ORCH_LOCAL_RUNS", str(tmp_path))
     assert local_mirror("s3://bucket/runs/") == str(tmp_path / "s3_bucket_runs")
+    assert run_uri("s3://b/runs/", "x") == "s3://b/runs/x"
+    assert run_uri("s3://b/runs?endpoint_override=127.0.0.1:9000&scheme=http", "x") == \
+        "s3://b/runs/x?endpoint_override=127.0.0.1:9000&scheme=http"
 
 
 def test_trees_and_files_round_trip(tmp_path):
