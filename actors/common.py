@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from pathlib import Path
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlhf_orch.errors import ACTOR_DIED, RLHFOrchError
+from rlhf_orch.storage import Store
 from rlhf_orch.torch_ext import clear_stale_locks, extensions_dir
 
 logger = logging.getLogger(__name__)
@@ -139,6 +141,19 @@ class Located:
 
     def node(self) -> dict:
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+
+    def upload_files(self, dirs: list[str], uri: str, rel: str) -> dict:
+        """The files of a checkpoint on this actor's node (the first of `dirs` there) uploaded to `uri`/`rel`:
+        {name: [bytes, sha256]} (driver/checkpoints.py asks one trainer or critic rank per node but the driver's)."""
+        for d in dirs:
+            if os.path.isdir(d):
+                return Store(uri).put_tree(Path(d), rel)
+        return {}
+
+    def fetch_files(self, uri: str, rel: str, local: str) -> int:
+        """`uri`/`rel` (a checkpoint folder, or one .pt file) downloaded to `local` on this node where missing."""
+        store = Store(uri)
+        return int(store.get_file(rel, Path(local))) if rel.endswith(".pt") else store.get_tree(rel, Path(local))
 
 
 def beside(node_id: str | None = None) -> dict:

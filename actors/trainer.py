@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ray
@@ -18,7 +17,6 @@ from actors.common import Located, actor_env, get, setup_process
 from rlhf_orch.config.schema import ExperimentConfig
 from rlhf_orch.errors import TrainerError
 from rlhf_orch.gpu_memory import process_memory, stats, with_peak
-from rlhf_orch.storage import Store
 from rlhf_orch.trainer.batch import shard
 from rlhf_orch.trainer.critic import DeepSpeedCritic
 from rlhf_orch.trainer.deepspeed_trainer import DeepSpeedTrainer
@@ -125,19 +123,6 @@ class TrainerActor(Located):
         if self.critic is not None:
             self.critic.load_checkpoint(os.path.join(directory, tag), "critic")
         return out
-
-    def upload_files(self, dirs: list[str], uri: str, rel: str) -> dict:
-        """The files of a checkpoint on this rank's node (the first of `dirs` there) uploaded to `uri`/`rel`:
-        {name: [bytes, sha256]} (driver/checkpoints.py, for nodes other than the driver's)."""
-        for d in dirs:
-            if os.path.isdir(d):
-                return Store(uri).put_tree(Path(d), rel)
-        return {}
-
-    def fetch_files(self, uri: str, rel: str, local: str) -> int:
-        """`uri`/`rel` (a checkpoint folder, or one file) downloaded to `local` on this rank's node where missing."""
-        store = Store(uri)
-        return int(store.get_file(rel, Path(local))) if rel.endswith(".pt") else store.get_tree(rel, Path(local))
 
     def save_checkpoint(self, directory: str, tag: str, client_state: dict) -> str:
         path = self.trainer.save_checkpoint(directory, tag, client_state)

@@ -146,10 +146,13 @@ class Cluster(EngineRecovery):
         logger.info("cluster up: %d trainer ranks, engines %s, sync plan %s", cfg.trainer.num_ranks, list(self.engines), self.plan)
         self.nodes = self.locate()              # kept current: a replacement's node replaces its slot's
         self.nodes_at_start = dict(self.nodes)
-        # One trainer rank per node other than the driver's uploads and fetches that node's checkpoint files (storage_uri).
+        # One trainer (or separate critic) rank per node other than the driver's uploads and fetches that node's
+        # checkpoint files (storage_uri).
         here, seen = ray.get_runtime_context().get_node_id(), set()
-        for r, actor in enumerate(self.trainers.actors):
-            node = (self.nodes.get(f"trainer-{r}") or {}).get("node_id")
+        ranks = [(f"trainer-{r}", a) for r, a in enumerate(self.trainers.actors)]
+        ranks += [(f"critic-{i}", a) for i, a in enumerate(self.critics.actors if self.critics else [])]
+        for who, actor in ranks:
+            node = (self.nodes.get(who) or {}).get("node_id")
             if node and node != here and node not in seen:
                 seen.add(node)
                 self.checkpoints.remote_nodes.append(actor)

@@ -96,14 +96,16 @@ class Store:
             return None
 
     def get_file(self, rel: str, local: Path) -> bool:
-        """Download one file if it exists (whole, or not at all); returns whether it did."""
-        data = self.read(rel)
-        if data is None:
+        """Download one file if it exists (streamed; whole, or not at all); returns whether it did."""
+        if self.fs.get_file_info(self._path(rel)).type != self._pafs.FileType.File:
             return False
         Path(local).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(f"{local}.part")
-        tmp.write_bytes(data)
-        os.replace(tmp, local)
+        try:
+            self._pafs.copy_files(self._path(rel), str(tmp), source_filesystem=self.fs)
+            os.replace(tmp, local)
+        except OSError as e:
+            raise CheckpointError(f"download of {self.uri}/{rel} failed: {e}") from e
         return True
 
     def put_file(self, local: Path, rel: str) -> None:
