@@ -99,7 +99,8 @@ class Cluster(EngineRecovery):
             self.ledger_base = state.get("rollout", {}).get("ledger", {})
         self.outputs.open(None if state is None else state["step"])   # records after the checkpoint dropped
         name, device = cfg.experiment.name, cfg.trainer.device
-        self.placement = allocate(cfg, self.timeout, wait_for_nodes=self.restarting)
+        wait = (cfg.fault_tolerance.node_wait_s or self.timeout) if self.restarting else self.timeout
+        self.placement = allocate(cfg, wait, wait_for_nodes=self.restarting)
         self.trainers = TrainerGroup(self.placement, device, name, self.timeout)
         env = actor_env(device)
         self.sampling, sleep_levels = {}, {}

@@ -118,7 +118,8 @@ def allocate(cfg: ExperimentConfig, timeout_s: float, wait_for_nodes: bool = Fal
     deadline, said = time.monotonic() + timeout_s, 0.0
     while problem and wait_for_nodes and time.monotonic() < deadline:
         if time.monotonic() - said > 30:
-            logger.warning("restart waits for the cluster (up to ray.get_timeout_s=%.0fs): %s", timeout_s, problem)
+            logger.warning("restart waits for the cluster (up to %.0fs, fault_tolerance.node_wait_s): %s", timeout_s,
+                           problem)
             said = time.monotonic()
         time.sleep(1.0)
         problem = cluster_fit_problem(cfg)

@@ -356,6 +356,9 @@ class FaultToleranceSection(_Section):
     health_interval_s: float = Field(2.0, gt=0, description="How often the rollout manager checks the engines.")
     max_run_restarts: int = Field(2, ge=0, description="After a trainer rank or the rollout manager dies (or a reward "
                                   "worker past max_engine_restarts), restart from the latest checkpoint this often.")
+    node_wait_s: float | None = Field(None, gt=0, description="How long a restart waits for the cluster to have the "
+                                      "nodes and resources the run needs (a lost node's replacement joining); default: "
+                                      "ray.get_timeout_s.")
     replacement_start: Literal["background", "wait"] = Field(
         "background", description="background: the run goes on with the engines left while a dedicated engine's "
         "replacement starts (vLLM: ~50 s), which joins at the first sync after; wait: the step waits for it (which "
