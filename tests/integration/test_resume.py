@@ -12,6 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
+from rlhf_orch.checkpoint import find_good  # noqa: E402
+from rlhf_orch.storage import Store  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 COMMON = ["trainer.warm_start_steps=3", "ray.num_cpus=2", "trainer.checkpoint_every=2", "metrics.trackers=[jsonl]",
@@ -88,8 +90,6 @@ def test_checkpoints_round_trip_through_a_storage_uri_onto_an_empty_node(tmp_pat
     local mirror and uploads each committed checkpoint and its records. A resume from a machine whose local folder is
     empty (another node) downloads the checkpoint `latest` names, verifies it against the uploaded manifest and
     continues exactly: steps 3-4 equal the uninterrupted run's to 1e-6."""
-    from rlhf_orch.checkpoint import find_good
-    from rlhf_orch.storage import Store
     uri = f"file://{tmp_path}/bucket/runs"
     monkeypatch.setenv("RLHF_ORCH_LOCAL_RUNS", str(tmp_path / "node1"))
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={uri}",

@@ -15,6 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
+from rlhf_orch.checkpoint import find_good  # noqa: E402
+from rlhf_orch.storage import Store  # noqa: E402
 
 pytest.importorskip("moto.server")
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
@@ -54,8 +56,6 @@ def s3_endpoint():
 
 
 def test_a_run_checkpoints_to_s3_and_resumes_from_it_on_an_empty_node(tmp_path, s3_endpoint, monkeypatch):
-    from rlhf_orch.checkpoint import find_good
-    from rlhf_orch.storage import Store
     config = str(ROOT / "configs/tiny_cpu.yaml")
     monkeypatch.setenv("RLHF_ORCH_LOCAL_RUNS", str(tmp_path / "node1"))
     assert launch.main(["--config", config, "experiment.output_dir=s3://rlhf/runs", "experiment.steps=2",
