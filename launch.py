@@ -214,7 +214,7 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
         quiet_bar.enter_context(logging_redirect_tqdm())   # log lines above the progress bar, not glued onto it
         bar = tqdm(range(start, last + 1), initial=start - 1, total=last, desc=cfg.algorithm.name.upper(), file=sys.stderr)
         snap: dict = {}   # the cost of the step snapshot written after the previous step, in this step's record
-        advisor = StalenessAdvisor(cluster.max_staleness)
+        advisor = StalenessAdvisor(cluster.max_staleness, extra_lag=cluster.extra_lag)
         for step in bar:
             m, meta = rl_step(cluster, cfg, step)
             m.update(snap)

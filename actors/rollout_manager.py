@@ -91,7 +91,8 @@ class RolloutManager(Located):
                                     first_step=first_step, last_step=last_step, engines=list(self.engines),
                                     draw=lambda: self.dataset.next_batch(1)[0], dispatch_groups=r.dispatch_groups,
                                     filter_groups=r.filter_groups, filter_max_draws=r.filter_max_draws,
-                                    deterministic=r.deterministic)
+                                    deterministic=r.deterministic,
+                                    deadline_slack=r.token_lag_bound() - r.max_staleness)
         self.sched.version = version
         if pending:
             self.sched.requeue([self.dataset.prompt(tuple(src)) for src in pending])
@@ -121,9 +122,11 @@ class RolloutManager(Located):
         if groups is None:   # nobody left to generate: the driver replaces one now
             return {"need_engines": sorted(self.dead)}, None
         filtered = self.sched.take(groups)
+        if self.sched.slack and self.sched.overdue():   # late groups' places back in the budget: fill them now
+            self._pump()
         ready, dispatched = max(g.ready_at for g in groups), min(g.dispatched_at for g in groups)
         t = self.cfg.trainer
-        sb = assemble(groups, step - 1, self.rollout.max_staleness, self.algorithm, self.pad_id, t.num_ranks,
+        sb = assemble(groups, step - 1, self.rollout.token_lag_bound(), self.algorithm, self.pad_id, t.num_ranks,
                       ready - dispatched, balance_tokens=bool(t.max_tokens_per_micro_batch))
         led = self.sched.ledger()
         metrics = {**sb.metrics, "rollout/groups_filtered": float(filtered),

@@ -1,7 +1,8 @@
 """Whole-step throughput of streaming rollouts: the synchronous loop vs max_staleness 1 vs 1 + partial rollouts vs 1
 with every weight sync on the trainer's path (k1s: weight_sync.overlap off; k1 and k1p overlap it, the default) vs 1
 with running requests aborted at each sync (k1a; k1's running_requests auto waits for them, its sync being overlapped);
-syncf / k1f are sync / k1 with rollout.final_outputs: true (vLLM hands back each request only at its end, as the default
+k1pl is k1p with rollout.partial_extra_lag 1 (a late group may be trained a step later, its first tokens two versions
+old; k1p's default 0 keeps every token within max_staleness, so a step waits for its longest group); syncf / k1f are sync / k1 with rollout.final_outputs: true (vLLM hands back each request only at its end, as the default
 does without partial rollouts); syncd / k1d stream every token (final_outputs: false).
 
     python bench/async_rl.py --out bench/RESULTS_async.md     # nvidia-h200-x2: trainer GPU 0, streaming vLLM GPU 1
@@ -56,6 +57,8 @@ from rlhf_orch.models.tiny import CHARS  # noqa: E402
 
 MODES = {"sync": dict(max_staleness=0, partial_rollouts=False), "k1": dict(max_staleness=1, partial_rollouts=False),
          "k1p": dict(max_staleness=1, partial_rollouts=True),
+         # k1p whose late groups may be trained a step later (rollout.partial_extra_lag 1): their first tokens lag 2
+         "k1pl": dict(max_staleness=1, partial_rollouts=True, partial_extra_lag=1),
          # two train steps of cover for a step's longest responses (the latency term k1 cannot hide, RESULTS.md)
          "k2": dict(max_staleness=2, partial_rollouts=False), "k2p": dict(max_staleness=2, partial_rollouts=True),
          # k1 with every sync on the trainer's path (weight_sync.overlap off): what the overlap buys, same run
@@ -172,6 +175,9 @@ def analyze(cluster, mode: str, recs: list[dict], windows: list[tuple[float, flo
             "sync_critical_share": share if share is not None else crit / total if total else float("nan"),
             "generate_s": med("perf/generate_s"), "train_s": med("perf/train_s"), "sync_s": med("perf/sync_s"),
             "step_s": med("perf/step_s"), "lag1_frac": sum(r.get("staleness/lag_1", 0.0) for r in recs) / sum(r["rollout/tokens"] for r in recs),
+            # tokens two or more versions old: at k1p, the first tokens of the late groups partial_extra_lag lets through
+            "lag2_frac": sum(v for r in recs for k, v in r.items() if k.startswith("staleness/lag_") and
+                             int(k.rsplit("_", 1)[1]) >= 2) / sum(r["rollout/tokens"] for r in recs),
             "spanning_frac": statistics.mean(r["staleness/spanning_frac"] for r in recs)}
 
 
@@ -189,8 +195,8 @@ def table(per_mode: dict[str, list[dict]], args) -> str:
              "", "| mode | steps/s (median; min-max) | tokens/s | x sync | x its bound (bound steps/s) | x latency bound | "
              "trainer GPU idle "
              "(per-step metric) | engine GPU idle | "
-             "sync on critical path | gen / train / sync s (median) | lag-1 tokens | spanning |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "sync on critical path | gen / train / sync s (median) | lag-1 tokens | lag-2+ tokens | spanning |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     # A step's batch is done when its longest group is: L, the sync mode's generate (from an idle engine). At
     # staleness k a step's groups are admitted k train steps ahead, so no step is shorter than L / k (RESULTS.md).
     latency = med([x["generate_s"] for x in sync]) if sync else float("nan")
@@ -202,7 +208,9 @@ def table(per_mode: dict[str, list[dict]], args) -> str:
         speed = med(sps) / base if base else float("nan")
         own = max(med([x["tokens_per_step"] for x in xs]) / steady,
                   med([x["train_s"] for x in xs]) + med([x["unhidden_sync_s"] for x in xs]))   # seconds per step
-        k = MODES.get(mode, {}).get("max_staleness", 0)
+        # the train steps a step's groups have: max_staleness, plus partial_extra_lag with partial rollouts
+        spec = MODES.get(mode, {})
+        k = spec.get("max_staleness", 0) + (spec.get("partial_extra_lag", 0) if spec.get("partial_rollouts") else 0)
         lat = med(sps) * max(own, latency / k) if k else float("nan")
         lines.append(f"| {mode} | {med(sps):.4f}; {min(sps):.4f}-{max(sps):.4f} | {med([x['tokens_per_s'] for x in xs]):.0f} | "
                      f"{speed:.3f} | {med(sps) * own:.3f} ({1 / own:.4f}) | {lat:.3f} | "
@@ -211,11 +219,13 @@ def table(per_mode: dict[str, list[dict]], args) -> str:
                      f"{1 - med([x['engine_busy'] for x in xs]):.2f} | {med([x['sync_critical_share'] for x in xs]):.2f} | "
                      f"{med([x['generate_s'] for x in xs]):.2f} / {med([x['train_s'] for x in xs]):.2f} / "
                      f"{med([x['sync_s'] for x in xs]):.3f} | {med([x['lag1_frac'] for x in xs]):.2f} | "
+                     f"{med([x.get('lag2_frac', 0.0) for x in xs]):.3f} | "
                      f"{med([x['spanning_frac'] for x in xs]):.2f} |")
     lines += ["", f"bound per mode: max(tokens per step / {steady:.0f} tokens/s (the engines' steady throughput, measured "
               "here), train + the sync's unhidden part); targets: k1 >= 0.9 of its bound, k1p >= k1, trainer idle < 0.10",
               f"latency bound at staleness k: the same, and at least L / k seconds per step, L = {latency:.2f} s (the sync "
-              "mode's generate: a step's longest group from an idle engine)"]
+              "mode's generate: a step's longest group from an idle engine); k counts partial_extra_lag with partial "
+              "rollouts (k1pl: 2)"]
     if bound:
         lines += [f"(the old ideal bound from the sync mode's phases, (generate + train + sync) / max(generate, train + sync) = "
                   f"{bound:.3f}x sync)"]

@@ -20,7 +20,9 @@ def check_versions(samples: Sequence[Sample], expected: int, max_staleness: int 
     lo = expected - max_staleness
     stale = {(s.engine, v) for s in samples for v in (s.min_version, s.max_version) if not lo <= v <= expected}
     if stale:
-        allowed = f"version {expected}" if not max_staleness else f"versions {lo}..{expected} (rollout.max_staleness={max_staleness})"
+        allowed = f"version {expected}" if not max_staleness else (
+            f"versions {lo}..{expected}: a token may lag {max_staleness} (rollout.max_staleness, plus "
+            "partial_extra_lag with partial rollouts)")
         raise EngineError(f"rollouts generated with stale weights {sorted(stale)} (expected {allowed}); "
                           "an engine missed a sync")
 

@@ -446,6 +446,9 @@ def rollout_problems(cfg: ExperimentConfig) -> list[str]:
     if r.partial_rollouts and r.max_staleness == 0:
         p.append("rollout.partial_rollouts: with max_staleness 0 no request runs while weights change; "
                  "set rollout.max_staleness >= 1 or partial_rollouts: false")
+    if "partial_extra_lag" in r.model_fields_set and not r.partial_rollouts:
+        p.append("rollout.partial_extra_lag: only partial rollouts train a group after its deadline (without them every "
+                 "token of a group comes from the version it was admitted at); set partial_rollouts: true or remove it")
     stuck = engines_that_cannot_stop(cfg)
     if r.partial_rollouts:
         for i, kind, fix in stuck:

@@ -306,11 +306,22 @@ class RolloutSection(_Section):
         "its own base URL (client.base_url): agent code written for the OpenAI client runs unchanged, every call "
         "recorded into its sample's trajectory as token ids (rollout/openai_server.py).")
     max_staleness: int = Field(0, ge=0, description="Most policy versions a trained token may lag the trained "
-                               "weights. 0: on-policy, the synchronous loop exactly; k >= 1: engines generate for later "
-                               "steps while the trainer trains.")
+                               "weights (with partial_rollouts, plus partial_extra_lag for the tokens a request "
+                               "sampled before the syncs it ran through). 0: on-policy, the synchronous loop exactly; "
+                               "k >= 1: engines generate for later steps while the trainer trains.")
     partial_rollouts: bool = Field(False, description="At a weight sync, park running requests between decode steps "
                                    "and continue them with the new weights (their later tokens carry the new version). "
                                    "Needs max_staleness >= 1 and engines that can pause mid-request.")
+    partial_extra_lag: int = Field(0, ge=0, description="With partial_rollouts: a group still generating when the "
+        "step it is due for comes is trained up to this many steps later instead of holding that step up (the long "
+        "tail goes on across the syncs); the tokens its requests sampled before those syncs then lag up to "
+        "max_staleness + partial_extra_lag versions, corrected per token like every stale token (staleness/lag_k). "
+        "0 (default): every token within max_staleness, and a step waits for its longest group as without partial "
+        "rollouts (bench/RESULTS.md, seventeenth session, has both on 2x H200).")
+
+    def token_lag_bound(self) -> int:
+        """The most versions a trained token may lag: max_staleness, plus partial_extra_lag with partial rollouts."""
+        return self.max_staleness + (self.partial_extra_lag if self.partial_rollouts else 0)
     running_requests: Literal["auto", "wait", "abort"] = Field("auto", description="Without partial rollouts, at a sync: "
         "wait (running requests finish) or abort (stopped between decode steps, re-queued); auto (default): abort at "
         "max_staleness >= 1 when the sync is on the trainer's path and engines can stop mid-request, else wait (checks.py).")

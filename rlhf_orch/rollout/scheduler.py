@@ -14,6 +14,16 @@ groups whose deadline is due. The batch for step s holds every group due by s (i
 filled up to prompts_per_step with the oldest finished groups. With max_staleness 0 every group of step s is
 admitted after sync s-1 and is due at s: exactly the synchronous loop, in draw order.
 
+Partial rollouts (`deadline_slack`, rollout.partial_extra_lag): a group's requests run on through the syncs, so a
+group may be trained up to `deadline_slack` steps after its deadline: a step no longer waits for a long group
+(at max_staleness k a group otherwise has about k train steps to finish, so no step is shorter than its longest
+group's latency / k; bench/RESULTS.md, ninth and twelfth sessions). Admission is unchanged (the budget above
+counts live groups, so a late group holds a place of a later step's). The tokens such a group sampled before the
+syncs it ran through lag up to k + slack versions; batching checks that bound on every token. A step that trained
+without a late group took one of the next step's early, so the late group's place goes back to the budget
+(`overdue`) until the horizon reaches the last step. No deadline passes the run's (or segment's) last step: it
+trains every group admitted for it.
+
 Dispatch is load-aware: queued groups go out in draw order, in chunks of `dispatch_groups`, each chunk to the
 engine with the fewest outstanding samples.
 
@@ -66,8 +76,10 @@ class Group:
 class GroupScheduler:
     def __init__(self, *, prompts_per_step: int, group_size: int, max_staleness: int, first_step: int,
                  last_step: int, engines: list[str], draw: Callable[[], Prompt], dispatch_groups: int = 0,
-                 filter_groups: bool = False, filter_max_draws: float = 3.0, deterministic: bool = False):
+                 filter_groups: bool = False, filter_max_draws: float = 3.0, deterministic: bool = False,
+                 deadline_slack: int = 0):
         self.B, self.n, self.k = prompts_per_step, group_size, max_staleness
+        self.slack = deadline_slack   # steps a group may be trained after its deadline (partial rollouts)
         self.first_step, self.last_step = first_step, last_step
         self.engines = list(engines)
         self.draw = draw
@@ -76,6 +88,7 @@ class GroupScheduler:
         self.deterministic = deterministic
         self._rotation = 0     # deterministic: chunks dispatched so far (the next one goes to engines[_rotation % n])
         self.version = first_step - 1
+        self.trained_through = first_step - 1   # the last step `take` served
         self.groups: dict[int, Group] = {}
         self.requeue_first: list[Prompt] = []     # draws of an earlier run segment, served before new ones
         self.outstanding = {e: 0 for e in self.engines}   # samples dispatched and not yet returned
@@ -90,9 +103,17 @@ class GroupScheduler:
 
     # ---- admission --------------------------------------------------------------------------------
     def budget(self) -> int:
-        """Live groups allowed since the first step while the engines hold `self.version`."""
+        """Live groups allowed since the first step while the engines hold `self.version` (plus the late ones)."""
         horizon = min(self.version + self.k + 1, self.last_step)
-        return max(0, horizon - self.first_step + 1) * self.B
+        late = self.overdue() if self.slack and horizon < self.last_step else 0
+        return max(0, horizon - self.first_step + 1) * self.B + late
+
+    def overdue(self) -> int:
+        """Live groups a step already trained without (partial rollouts' late groups, `deadline_slack`). They do not
+        hold a place: otherwise the step after them, short of the groups its predecessor took early, waits for
+        groups admitted only at the last sync. The places come back to the budget when the horizon reaches the
+        last step, so the run draws no group it cannot train."""
+        return sum(g.admitted_version + self.k + 1 <= self.trained_through for g in self.groups.values())
 
     def can_admit(self) -> bool:
         budget, drawn = self.budget(), self.counts["drawn"]
@@ -106,7 +127,8 @@ class GroupScheduler:
         new = []
         while self.can_admit():
             prompt = self.requeue_first.pop(0) if self.requeue_first else self.draw()
-            g = Group(self._next_gid, prompt, self.version, self.version + self.k + 1)
+            due = self.version + self.k + 1   # the last step may not leave a late group behind
+            g = Group(self._next_gid, prompt, self.version, due + min(self.slack, max(0, self.last_step - due)))
             self.groups[g.gid] = g
             self._next_gid += 1
             self.counts["drawn"] += 1
@@ -245,6 +267,7 @@ class GroupScheduler:
 
     def take(self, groups: list[Group]) -> int:
         """Mark a batch as trained; returns how many groups were filtered since the previous batch."""
+        self.trained_through += 1
         for g in groups:
             g.state = TRAINED
             self.counts["trained"] += 1

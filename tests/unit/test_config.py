@@ -159,6 +159,16 @@ def test_partial_rollouts_need_engines_that_can_pause(tmp_path):
     assert not any("engines.2" in m or "engines.3" in m for m in msgs)
 
 
+def test_partial_extra_lag_only_with_partial_rollouts(tmp_path):
+    p = write(tmp_path, "rollout: {max_staleness: 1, partial_extra_lag: 2}\nengines:\n  - {kind: hf}\n")
+    assert problems(p) == ["rollout.partial_extra_lag: only partial rollouts train a group after its deadline (without "
+                           "them every token of a group comes from the version it was admitted at); set "
+                           "partial_rollouts: true or remove it"]
+    r = load_config(p, ["rollout.partial_rollouts=true"]).rollout
+    assert r.token_lag_bound() == 3
+    assert load_config(write(tmp_path, "rollout: {max_staleness: 2}\nengines:\n  - {kind: hf}\n")).rollout.token_lag_bound() == 2
+
+
 def test_sleeping_colocated_engine_cannot_run_ahead(tmp_path):
     p = write(tmp_path, "trainer: {num_ranks: 1, offload: true}\nrollout: {max_staleness: 1}\n"
                         "engines:\n  - {kind: hf, placement: colocated, sleep_level: 2}\n")

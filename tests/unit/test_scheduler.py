@@ -2,7 +2,12 @@
 batches, dynamic-sampling refills and the ledger, on hand-worked sequences."""
 import itertools
 
+import pytest
+
+from rlhf_orch.errors import EngineError
+from rlhf_orch.rollout.batching import staleness_metrics
 from rlhf_orch.rollout.scheduler import READY, GroupScheduler, whole_run_ledger
+from rlhf_orch.rollout_utils import check_versions
 from rlhf_orch.types import Prompt, Sample
 
 
@@ -60,6 +65,59 @@ def test_staleness_one_admits_a_step_ahead_and_deadlines_bind():
     assert s.select_batch(2) is None
     finish(s, plan[:2])
     assert [g.gid for g in s.select_batch(2)] == [0, 1, 2, 3]
+
+
+def test_partial_rollouts_slack_lets_a_late_group_be_trained_a_step_later():
+    """rollout.partial_extra_lag 1: at step 2 the groups admitted at version 0 are still running, so step 2 trains
+    the four ready ones admitted at version 1 instead of waiting; the late ones are due at step 3, which waits for them
+    (no later group may overtake a due one). Their places go back to the budget once a step trained without them, so
+    step 3 does not lack the groups step 2 took early; and at the last step's horizon the run draws no more."""
+    s = make(k=1, deadline_slack=1)
+    assert len(s.admit()) == 8 and {g.deadline for g in s.groups.values()} == {3}
+    plan = s.plan_dispatch()
+    finish(s, plan[2:])
+    s.take(s.select_batch(1))                        # gids 4-7 (admitted at 0, finished first)
+    s.set_version(1)
+    new = s.admit()
+    assert [g.gid for g in new] == [8, 9, 10, 11] and all(g.deadline == 4 for g in new)
+    finish(s, s.plan_dispatch())                     # 8-11 finish, 0-3 (version 0) still running
+    assert [g.gid for g in s.select_batch(2)] == [8, 9, 10, 11]
+    assert s.overdue() == 0
+    s.take(s.select_batch(2))                        # trained without 0-3: their places go back to the budget
+    assert s.overdue() == 4 and s.budget() == 16
+    assert [g.gid for g in s.admit()] == [12, 13, 14, 15]   # still at version 1: for step 3, beside 0-3
+    s.set_version(2)
+    assert [g.gid for g in s.admit()] == [16, 17, 18, 19]   # (2+1+1) * 4 + 4 late = 20
+    finish(s, s.plan_dispatch())
+    assert s.select_batch(3) is None                 # 0-3 are due at 3: 12-19 (ready) may not overtake them
+    finish(s, plan[:2])
+    assert [g.gid for g in s.select_batch(3)] == [0, 1, 2, 3]
+    s.take(s.select_batch(3))   # 12-15 (nominally step 3's) gave their places to 0-3: now they are the late ones
+    assert s.overdue() == 4 and s.budget() == 20 and s.admit() == [] and s.ledger()["balanced"] == 1
+    s = make(k=1, last=2, deadline_slack=1)          # the last step trains everything admitted for the run
+    assert len(s.admit()) == 8 and {g.deadline for g in s.groups.values()} == {2}
+    s = make(k=1, last=3, deadline_slack=1)          # late places do not come back once the horizon is the last step
+    s.admit()
+    plan = s.plan_dispatch()
+    finish(s, plan[2:])
+    s.take(s.select_batch(1))
+    s.set_version(1)
+    s.admit()
+    finish(s, s.plan_dispatch())
+    s.take(s.select_batch(2))
+    assert s.overdue() == 4 and s.budget() == 12 and s.admit() == []
+
+
+def test_a_late_partial_groups_first_tokens_pass_only_the_token_lag_bound():
+    """A request kept through two syncs (tokens of versions 0, 1, 2) trained at version 2: lag 2 on its first token.
+    max_staleness 1 alone refuses it; with partial_extra_lag 1 (bound 2) it is counted as staleness/lag_2."""
+    late = Sample(0, [7], [1, 2, 3], [0.0] * 3, "stop", 0, token_versions=[0, 1, 2])
+    with pytest.raises(EngineError, match="stale weights"):
+        check_versions([late], 2, 1)
+    check_versions([late], 2, 2)
+    m = staleness_metrics([late], 2, 2)
+    assert (m["staleness/lag_0"], m["staleness/lag_1"], m["staleness/lag_2"], m["staleness/max_lag"]) == (1, 1, 1, 2)
+    assert m["staleness/spanning_frac"] == 1.0
 
 
 def test_budget_stops_at_the_last_step_and_ledger_balances():

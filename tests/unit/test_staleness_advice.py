@@ -29,3 +29,14 @@ def test_no_advice_on_policy_when_batches_are_on_time_or_covered():
         assert all(adv.observe(dict(s)) is None for _ in range(10))
     adv = StalenessAdvisor(1)   # medians: one slow step among fast ones says nothing
     assert all(adv.observe(step() if i == 3 else step(latency=3.0, wait=0.2)) is None for i in range(10))
+
+
+def test_partial_rollouts_extra_lag_counts_as_cover_and_is_offered_when_off():
+    adv = StalenessAdvisor(1, extra_lag=1)   # partial rollouts: a late group has 1 + 1 train steps of 5.8 s
+    assert all(adv.observe(step()) is None for _ in range(10))
+    adv = StalenessAdvisor(1, extra_lag=1)
+    msg = [adv.observe(step(latency=13.0)) for _ in range(5)][-1]
+    assert "rollout.max_staleness=1 + partial_extra_lag=1" in msg and "max_staleness: 3" in msg
+    assert "partial_rollouts: true" not in msg
+    adv = StalenessAdvisor(1)
+    assert "rollout.partial_rollouts: true" in [adv.observe(step()) for _ in range(5)][-1]
