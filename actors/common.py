@@ -150,10 +150,13 @@ class Located:
                 return Store(uri).put_tree(Path(d), rel)
         return {}
 
-    def fetch_files(self, uri: str, rel: str, local: str) -> int:
-        """`uri`/`rel` (a checkpoint folder, or one .pt file) downloaded to `local` on this node where missing."""
-        store = Store(uri)
-        return int(store.get_file(rel, Path(local))) if rel.endswith(".pt") else store.get_tree(rel, Path(local))
+    def fetch_tree(self, uri: str, rel: str, local: str) -> int:
+        """The folder `uri`/`rel` (a checkpoint) downloaded to `local` on this node where missing: files fetched."""
+        return Store(uri).get_tree(rel, Path(local))
+
+    def fetch_file(self, uri: str, rel: str, local: str) -> int:
+        """The file `uri`/`rel` (the reference) downloaded to `local` on this node if missing: 1 if it was fetched."""
+        return int(Store(uri).get_file(rel, Path(local)))
 
 
 def beside(node_id: str | None = None) -> dict:

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from actors.common import get
-from rlhf_orch.checkpoint import (MANIFEST, checkpoint_dir, commit, find_good, mark_latest, read_rl_state, snapshot_dir,
-                                  staging_dir, tag_step, write_rl_state)
+from rlhf_orch.checkpoint import (MANIFEST, checkpoint_dir, commit, find_good, kept_tags, mark_latest, read_rl_state,
+                                  snapshot_dir, staging_dir, tag_step, write_rl_state)
 from rlhf_orch.errors import CheckpointError, EngineError
 from rlhf_orch.storage import Store, run_uri
 from rlhf_orch.metrics.timeline import Timeline
@@ -46,6 +46,7 @@ class Checkpoints:
         uri = cfg.experiment.storage_uri   # the run folder mirrored there (rlhf_orch/storage.py)
         self.store = Store(run_uri(uri, cfg.experiment.name)) if uri else None
         self.remote_nodes: list = []   # one trainer rank per node other than the driver's (Cluster sets it)
+        self._reference_stored = False   # the reference is in storage_uri (one remote read per driver, not per save)
 
     def find(self) -> dict | None:
         """The RL state of the last good checkpoint, read once at start (None: there is none); notes why a corrupt
@@ -128,7 +129,7 @@ class Checkpoints:
             return None
         folder, tag, state, tensors = self.resume_from
         if self.store is not None and folder == self.dir:   # ranks on other nodes fetch it onto their own disks
-            get([a.fetch_files.remote(self.store.uri, f"checkpoints/{tag}", str(folder / tag)) for a in self.remote_nodes],
+            get([a.fetch_tree.remote(self.store.uri, f"checkpoints/{tag}", str(folder / tag)) for a in self.remote_nodes],
                 timeout, f"trainer ranks to download checkpoint {tag}", CheckpointError)
         trainers.call("load_checkpoint", str(folder), tag)
         if critics is not None:
@@ -158,14 +159,18 @@ class Checkpoints:
         self.store.put_tree(final, rel, skip=(MANIFEST,), hashes=False)
         self.store.write(f"{rel}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
         self.store.write("checkpoints/latest", f"{tag}\n".encode())   # the commit
-        if (self.dir / "reference.pt").exists() and self.store.read("checkpoints/reference.pt.done") is None:
-            self.store.put_file(self.dir / "reference.pt", "checkpoints/reference.pt")
-            self.store.write("checkpoints/reference.pt.done", b"1")
+        if not self._reference_stored and (self.dir / "reference.pt").exists():
+            if self.store.read("checkpoints/reference.pt.done") is None:
+                self.store.put_file(self.dir / "reference.pt", "checkpoints/reference.pt")
+                self.store.write("checkpoints/reference.pt.done", b"1")
+            self._reference_stored = True
         keep = self.cfg.trainer.keep_checkpoints
         tags = sorted((t for t in self.store.dirs("checkpoints") if t.startswith("step") and t[4:].isdigit()),
                       key=lambda t: int(t[4:]), reverse=True)
-        for old in [t for t in tags if t != tag][max(0, keep - 1):] if keep > 0 else []:
-            self.store.remove(f"checkpoints/{old}")
+        if keep > 0:   # the local folder's rule (rlhf_orch/checkpoint.kept_tags)
+            kept = kept_tags(tags, tag, keep)
+            for old in [t for t in tags if t != tag and t not in kept]:
+                self.store.remove(f"checkpoints/{old}")
         self.store.put_tree(self.dir.parent, "", skip=("checkpoints", ".run.lock"), hashes=False)
         logger.info("checkpoint %s uploaded to %s in %.1f s (%d other node(s))", tag, self.store.uri,
                     time.perf_counter() - t0, len(self.remote_nodes))
@@ -194,7 +199,7 @@ class Checkpoints:
         written once by the policy ranks and loaded by the separate reference group."""
         keep = references is None
         if resumed and self.store is not None:   # the frozen reference onto the other nodes' disks
-            get([a.fetch_files.remote(self.store.uri, "checkpoints/reference.pt", self.reference_path)
+            get([a.fetch_file.remote(self.store.uri, "checkpoints/reference.pt", self.reference_path)
                  for a in self.remote_nodes], self.cfg.ray.get_timeout_s, "the reference's download", CheckpointError)
         trainers.call("snapshot_reference", self.reference_path, resumed, keep)
         if not keep:

@@ -239,14 +239,24 @@ def _prune(ckpt: Path, current: str, keep: int) -> None:
             _remove(p)
     if keep <= 0:
         return
-    cur = int(m[1]) if (m := _STEP_TAG.fullmatch(current)) else None
-    tags = [t for t in _step_tags(ckpt) if t != current]
-    kept = [t for t in tags if (cur is None or int(t[4:]) < cur)
-            and ((ckpt / t / MANIFEST).exists() or (ckpt / t / "rl_state.json").exists())][:keep - 1]
+    tags = _step_tags(ckpt)
+    kept = kept_tags(tags, current, keep,
+                     lambda t: (ckpt / t / MANIFEST).exists() or (ckpt / t / "rl_state.json").exists())
     for t in tags:
-        if t not in kept:
+        if t != current and t not in kept:
             logger.info("pruning checkpoint %s (keep=%d)", ckpt / t, keep)
             _remove(ckpt / t)
+
+
+def kept_tags(tags: list[str], current: str, keep: int, complete=lambda tag: True) -> list[str]:
+    """The step<N> tags to keep beside `current` (keep <= 0: every one): the newest keep-1 complete ones before it (a
+    later step's folder is from an abandoned attempt). `tags` newest first, as _step_tags lists them. One rule for the
+    local folder (_prune) and the storage_uri mirror (driver/checkpoints.py)."""
+    others = [t for t in tags if t != current]
+    if keep <= 0:
+        return others
+    cur = int(m[1]) if (m := _STEP_TAG.fullmatch(current)) else None
+    return [t for t in others if (cur is None or int(t[4:]) < cur) and complete(t)][:keep - 1]
 
 
 def mark_latest(ckpt: Path, tag: str) -> None:

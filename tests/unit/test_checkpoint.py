@@ -82,6 +82,14 @@ def test_prune_drops_folders_of_an_abandoned_later_attempt(ckpt):
     assert sorted(C._step_tags(ckpt)) == ["step5", "step6"]
 
 
+def test_kept_tags_is_one_rule_for_the_folder_and_the_storage_mirror():
+    tags = ["step8", "step6", "step5", "step4", "step2"]   # newest first; step8 from an abandoned attempt
+    assert C.kept_tags(tags, "step6", 3) == ["step5", "step4"]
+    assert C.kept_tags(tags, "step6", 3, complete=lambda t: t != "step5") == ["step4", "step2"]
+    assert C.kept_tags(tags, "step6", 1) == [] and C.kept_tags(tags, "step6", 0) == ["step8", "step5", "step4", "step2"]
+    assert C.kept_tags(tags, "final", 2) == ["step8"]   # a tag that is no step: the newest others
+
+
 @pytest.mark.parametrize("damage, reason", [
     ("flip", f"file {SHARD}: sha256 mismatch"),
     ("truncate", f"file {SHARD}: 5 bytes, manifest says"),
