@@ -2,8 +2,9 @@
 with every weight sync on the trainer's path (k1s: weight_sync.overlap off; k1 and k1p overlap it, the default) vs 1
 with running requests aborted at each sync (k1a; k1's running_requests auto waits for them, its sync being overlapped);
 k1pl is k1p with rollout.partial_extra_lag 1 (a late group may be trained a step later, its first tokens two versions
-old; k1p's default 0 keeps every token within max_staleness, so a step waits for its longest group); syncf / k1f are sync / k1 with rollout.final_outputs: true (vLLM hands back each request only at its end, as the default
-does without partial rollouts); syncd / k1d stream every token (final_outputs: false).
+old; k1p's default 0 keeps every token within max_staleness, so a step waits for its longest group); syncf / k1f
+are sync / k1 with rollout.final_outputs: true (vLLM hands back each request only at its end, as the default does
+without partial rollouts); syncd / k1d stream every token (final_outputs: false).
 
     python bench/async_rl.py --out bench/RESULTS_async.md     # nvidia-h200-x2: trainer GPU 0, streaming vLLM GPU 1
     python bench/async_rl.py --colocated                      # one GPU: vLLM beside the trainer, CUDA IPC sync

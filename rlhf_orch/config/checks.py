@@ -1,8 +1,6 @@
 """Config rules that involve more than one field or the outside world (the output folder, the algorithm registry,
 the loss names), run by ExperimentConfig's validator. Each problem is one line naming the field and the fix.
-
-Only checks: the sections themselves, their fields and single-field validators are in schema.py.
-"""
+Only checks: the sections themselves, their fields and single-field validators are in schema.py."""
 from __future__ import annotations
 
 import logging
@@ -24,7 +22,6 @@ from rlhf_orch.rollout.agent_specs import agent_problems
 from rlhf_orch.trainer.packing import flash_attn_available
 # schema.py imports this module inside its validator (the checks need its sections), so importing the schema (for
 # `rlhf-orch --help`) loads none of the above. transformers is imported where a model folder is read.
-
 
 logger = logging.getLogger(__name__)
 _warned: set[str] = set()   # warnings already logged by this process: a config validated again says nothing new
@@ -446,9 +443,9 @@ def rollout_problems(cfg: ExperimentConfig) -> list[str]:
     if r.partial_rollouts and r.max_staleness == 0:
         p.append("rollout.partial_rollouts: with max_staleness 0 no request runs while weights change; "
                  "set rollout.max_staleness >= 1 or partial_rollouts: false")
-    if "partial_extra_lag" in r.model_fields_set and not r.partial_rollouts:
-        p.append("rollout.partial_extra_lag: only partial rollouts train a group after its deadline (without them every "
-                 "token of a group comes from the version it was admitted at); set partial_rollouts: true or remove it")
+    if "partial_extra_lag" in r.model_fields_set and not r.partial_rollouts:   # each token from its admission version
+        p.append("rollout.partial_extra_lag: only partial rollouts train a group after its deadline; set "
+                 "partial_rollouts: true or remove it")
     stuck = engines_that_cannot_stop(cfg)
     if r.partial_rollouts:
         for i, kind, fix in stuck:

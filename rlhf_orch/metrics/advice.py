@@ -5,8 +5,9 @@ Why (bench/RESULTS.md, ninth session, 1B on 2x H100): a step's batch is done whe
 max_staleness k a step's groups are admitted about k train steps before it trains. So no step is shorter than
 max(train, L / k), L being that group's time from dispatch to scored: with L = 8.2 s and a 5.8 s train step, k = 1 ran
 at 0.77 of the throughput bound and k = 2 at 0.97. With partial rollouts a late group may be trained up to
-rollout.partial_extra_lag steps later, so it has k + that many train steps. Only advice: a larger k trains on older samples (the off-policy
-correction, README), so the run's settings are never changed here. Pure: no Ray; launch.py logs what this returns.
+rollout.partial_extra_lag steps later, so it has k + that many train steps. Only advice: a larger k trains on older
+samples (the off-policy correction, README), so the run's settings are never changed here. Pure: no Ray; launch.py
+logs what this returns.
 """
 from __future__ import annotations
 

@@ -161,8 +161,7 @@ def test_partial_rollouts_need_engines_that_can_pause(tmp_path):
 
 def test_partial_extra_lag_only_with_partial_rollouts(tmp_path):
     p = write(tmp_path, "rollout: {max_staleness: 1, partial_extra_lag: 2}\nengines:\n  - {kind: hf}\n")
-    assert problems(p) == ["rollout.partial_extra_lag: only partial rollouts train a group after its deadline (without "
-                           "them every token of a group comes from the version it was admitted at); set "
+    assert problems(p) == ["rollout.partial_extra_lag: only partial rollouts train a group after its deadline; set "
                            "partial_rollouts: true or remove it"]
     r = load_config(p, ["rollout.partial_rollouts=true"]).rollout
     assert r.token_lag_bound() == 3
