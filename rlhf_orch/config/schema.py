@@ -318,10 +318,6 @@ class RolloutSection(_Section):
         "max_staleness + partial_extra_lag versions, corrected per token like every stale token (staleness/lag_k). "
         "0 (default): every token within max_staleness, and a step waits for its longest group as without partial "
         "rollouts (bench/RESULTS.md, seventeenth session, has both on 2x H200).")
-
-    def token_lag_bound(self) -> int:
-        """The most versions a trained token may lag: max_staleness, plus partial_extra_lag with partial rollouts."""
-        return self.max_staleness + (self.partial_extra_lag if self.partial_rollouts else 0)
     running_requests: Literal["auto", "wait", "abort"] = Field("auto", description="Without partial rollouts, at a sync: "
         "wait (running requests finish) or abort (stopped between decode steps, re-queued); auto (default): abort at "
         "max_staleness >= 1 when the sync is on the trainer's path and engines can stop mid-request, else wait (checks.py).")
@@ -344,6 +340,10 @@ class RolloutSection(_Section):
         if self.agent is not None and self.multi_turn is None:   # an agent's trajectories get the default limits
             self.multi_turn = MultiTurnSection()
         return self
+
+    def token_lag_bound(self) -> int:
+        """The most versions a trained token may lag: max_staleness, plus partial_extra_lag with partial rollouts."""
+        return self.max_staleness + (self.partial_extra_lag if self.partial_rollouts else 0)
 
 
 class WeightSyncSection(_Section):

@@ -17,11 +17,10 @@ admitted after sync s-1 and is due at s: exactly the synchronous loop, in draw o
 Partial rollouts (`deadline_slack`, rollout.partial_extra_lag): a group's requests run on through the syncs, so a
 group may be trained up to `deadline_slack` steps after its deadline: a step no longer waits for a long group
 (at max_staleness k a group otherwise has about k train steps to finish, so no step is shorter than its longest
-group's latency / k; bench/RESULTS.md, ninth and twelfth sessions). Admission is unchanged (the budget above
-counts live groups, so a late group holds a place of a later step's). The tokens such a group sampled before the
+group's latency / k; bench/RESULTS.md, ninth and twelfth sessions). The tokens such a group sampled before the
 syncs it ran through lag up to k + slack versions; batching checks that bound on every token. A step that trained
-without a late group took one of the next step's early, so the late group's place goes back to the budget
-(`overdue`) until the horizon reaches the last step. No deadline passes the run's (or segment's) last step: it
+without a late group took one of the next step's early, so the late group's place goes back to the admission
+budget (`overdue`) until the horizon reaches the last step. No deadline passes the run's (or segment's) last step: it
 trains every group admitted for it.
 
 Dispatch is load-aware: queued groups go out in draw order, in chunks of `dispatch_groups`, each chunk to the
