@@ -113,19 +113,23 @@ def test_an_engine_killed_mid_trajectory_loses_and_repeats_nothing(tmp_path):
     """The dedicated engine's process dies between two turns of its trajectories (max_engine_restarts 0): its
     groups go back to the queue whole and run on the colocated engine; every step trains its 16 groups, none twice
     (the ledger balances), the run finishes, and openai_endpoints.json no longer lists the dead engine. At
-    max_staleness 1 with partial rollouts: syncs pause turns mid-decode and the turns go on with the new weights (a
-    turn asked for during a pause waits for it to end)."""
+    max_staleness 1 with partial rollouts and partial_extra_lag 1: syncs pause turns mid-decode and the turns go on
+    with the new weights (a turn asked for during a pause waits for it to end); a trajectory still running at its step
+    may be trained a step later, its first tokens at most two versions old (checked on every token)."""
     steps = 4
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu_tool.yaml"), f"experiment.output_dir={tmp_path}",
                       "experiment.name=killed", f"experiment.steps={steps}", "trainer.warm_start_steps=0",
                       "rollout.agent=tests.integration.test_multiturn_run:dies_mid_trajectory",
                       "fault_tolerance.max_engine_restarts=0", "rollout.max_staleness=1",
-                      "rollout.partial_rollouts=true", "rollout.openai_endpoint=true", *QUIET])
+                      "rollout.partial_rollouts=true", "rollout.partial_extra_lag=1", "rollout.openai_endpoint=true",
+                      *QUIET])
     assert rc == 0
     run = tmp_path / "killed"
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert records[-1]["fault/engines_live"] == 1 and all(r["rollout/turns_mean"] >= 1.0 for r in records)
+    assert all(r["staleness/max_lag"] <= 2 and r["staleness/lag_0"] + r["staleness/lag_1"] + r["staleness/lag_2"]
+               == r["rollout/tokens"] for r in records)
     summary = json.loads((run / "summary.json").read_text())
     [fault] = summary["faults"]
     assert fault["engine"] == "dedicated" and "died" in fault["cause"]
