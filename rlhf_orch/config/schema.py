@@ -317,7 +317,7 @@ class RolloutSection(_Section):
         "tail goes on across the syncs); the tokens its requests sampled before those syncs then lag up to "
         "max_staleness + partial_extra_lag versions, corrected per token like every stale token (staleness/lag_k). "
         "0 (default): every token within max_staleness, and a step waits for its longest group as without partial "
-        "rollouts (bench/RESULTS.md, seventeenth session, has both on 2x H200).")
+        "rollouts (bench/RESULTS.md, fifteenth session, has both on 2x H200).")
     running_requests: Literal["auto", "wait", "abort"] = Field("auto", description="Without partial rollouts, at a sync: "
         "wait (running requests finish) or abort (stopped between decode steps, re-queued); auto (default): abort at "
         "max_staleness >= 1 when the sync is on the trainer's path and engines can stop mid-request, else wait (checks.py).")
