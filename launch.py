@@ -38,7 +38,7 @@ from rlhf_orch.models import BUILTIN_PREFIX, ensure_model_dir
 from rlhf_orch.report import end_of_run     # pathlib only
 from rlhf_orch.resources import local_fit_problem
 from rlhf_orch.rewards.check import check_reward_function
-from rlhf_orch.run_dir import LOCK_NAME, RunLock, claim_run_dir, job_output_override, ray_job_id
+from rlhf_orch.run_dir import RunLock, claim_run_dir, job_output_override, ray_job_id, upload_records
 from rlhf_orch.storage import Store, run_uri   # pyarrow only once a Store is made
 from rlhf_orch.torch_ext import prepare_extensions_dir
 # Modules that bring torch, transformers or Ray in are imported inside the functions that need them, so that
@@ -401,8 +401,7 @@ def _supervise(cfg, run_dir: Path, model_path: str, tokenizer, dataset, eval_set
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_summary(run_dir, summary)
         if cfg.experiment.storage_uri:   # the run's records beside its checkpoints (uploaded as they were written)
-            Store(run_uri(cfg.experiment.storage_uri, cfg.experiment.name)).put_tree(
-                run_dir, "", skip=("checkpoints", LOCK_NAME), hashes=False)
+            upload_records(Store(run_uri(cfg.experiment.storage_uri, cfg.experiment.name)), run_dir)
         for line in end_of_run(summary, run_dir):   # its digest; summary.json is the complete record
             logger.info("%s", line)
     finally:

@@ -24,10 +24,11 @@ from pathlib import Path
 
 from actors.common import get
 from rlhf_orch.checkpoint import (MANIFEST, checkpoint_dir, commit, find_good, kept_tags, mark_latest, read_rl_state,
-                                  snapshot_dir, staging_dir, tag_step, write_rl_state)
+                                  snapshot_dir, staging_dir, step_tags, tag_step, write_rl_state)
 from rlhf_orch.errors import CheckpointError, EngineError
 from rlhf_orch.storage import Store, run_uri
 from rlhf_orch.metrics.timeline import Timeline
+from rlhf_orch.run_dir import upload_records
 from rlhf_orch.trainer.export import export_spec
 
 logger = logging.getLogger(__name__)
@@ -164,14 +165,11 @@ class Checkpoints:
                 self.store.put_file(self.dir / "reference.pt", "checkpoints/reference.pt")
                 self.store.write("checkpoints/reference.pt.done", b"1")
             self._reference_stored = True
-        keep = self.cfg.trainer.keep_checkpoints
-        tags = sorted((t for t in self.store.dirs("checkpoints") if t.startswith("step") and t[4:].isdigit()),
-                      key=lambda t: int(t[4:]), reverse=True)
-        if keep > 0:   # the local folder's rule (rlhf_orch/checkpoint.kept_tags)
-            kept = kept_tags(tags, tag, keep)
-            for old in [t for t in tags if t != tag and t not in kept]:
-                self.store.remove(f"checkpoints/{old}")
-        self.store.put_tree(self.dir.parent, "", skip=("checkpoints", ".run.lock"), hashes=False)
+        tags = step_tags(self.store.dirs("checkpoints"))
+        kept = kept_tags(tags, tag, self.cfg.trainer.keep_checkpoints)   # the local folder's rule
+        for old in [t for t in tags if t != tag and t not in kept]:
+            self.store.remove(f"checkpoints/{old}")
+        upload_records(self.store, self.dir.parent)
         logger.info("checkpoint %s uploaded to %s in %.1f s (%d other node(s))", tag, self.store.uri,
                     time.perf_counter() - t0, len(self.remote_nodes))
 

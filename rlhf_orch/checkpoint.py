@@ -118,8 +118,12 @@ def _remove(path: Path) -> None:
 
 def _step_tags(ckpt: Path) -> list[str]:
     """The step<N> folders, newest step first."""
-    tags = [p.name for p in ckpt.iterdir() if p.is_dir() and _STEP_TAG.fullmatch(p.name)] if ckpt.is_dir() else []
-    return sorted(tags, key=lambda t: -int(t[4:]))
+    return step_tags([p.name for p in ckpt.iterdir() if p.is_dir()] if ckpt.is_dir() else [])
+
+
+def step_tags(names) -> list[str]:
+    """The step<N> names among `names`, newest step first (a local folder's or the storage_uri mirror's)."""
+    return sorted((n for n in names if _STEP_TAG.fullmatch(n)), key=lambda t: -int(t[4:]))
 
 
 def staging_dir(ckpt: Path, tag: str) -> Path:
@@ -237,8 +241,6 @@ def _prune(ckpt: Path, current: str, keep: int) -> None:
         if p.is_dir() and p.name.startswith((STAGING_PREFIX, OLD_PREFIX)):
             logger.info("removing leftover %s", p)
             _remove(p)
-    if keep <= 0:
-        return
     tags = _step_tags(ckpt)
     kept = kept_tags(tags, current, keep,
                      lambda t: (ckpt / t / MANIFEST).exists() or (ckpt / t / "rl_state.json").exists())

@@ -43,6 +43,12 @@ RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 LOCK_NAME = ".run.lock"
 
 
+def upload_records(store, run_dir: Path) -> None:
+    """The run's records (everything in its folder but the checkpoints and the lock) to `store`'s root
+    (rlhf_orch/storage.Store): after each checkpoint and at the end of the run."""
+    store.put_tree(Path(run_dir), "", skip=("checkpoints", LOCK_NAME), hashes=False)
+
+
 def ray_job_id(env: dict, cwd: str) -> str | None:
     """The submission id when this process is a `ray job submit` driver, else None. Either sign is enough: the job
     supervisor's env var, or a cwd inside a Ray runtime-env folder (what `--working-dir` does)."""

@@ -82,9 +82,22 @@ class Store:
             raise ConfigError(f"experiment.storage_uri: cannot write to {self.uri!r} ({type(e).__name__}: {e}); check "
                               "the URI, the credentials and the endpoint (e.g. AWS_ENDPOINT_URL)") from e
 
+    def _make_parent(self, rel: str) -> None:
+        self.fs.create_dir(self._path(rel).rsplit("/", 1)[0], recursive=True)
+
+    def _download(self, remote_path: str, local: Path) -> None:
+        """One remote file to `local`, whole or not at all (through `<local>.part`: two ranks of one node may fetch
+        the same checkpoint)."""
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(local.name + ".part")
+        try:
+            self._pafs.copy_files(remote_path, str(tmp), source_filesystem=self.fs)
+            os.replace(tmp, local)
+        except OSError as e:
+            raise CheckpointError(f"download of {remote_path} from {self.uri} failed: {e}") from e
+
     def write(self, rel: str, data: bytes) -> None:
-        parent = self._path(rel).rsplit("/", 1)[0]
-        self.fs.create_dir(parent, recursive=True)
+        self._make_parent(rel)
         with self.fs.open_output_stream(self._path(rel)) as f:
             f.write(data)
 
@@ -99,17 +112,11 @@ class Store:
         """Download one file if it exists (streamed; whole, or not at all); returns whether it did."""
         if self.fs.get_file_info(self._path(rel)).type != self._pafs.FileType.File:
             return False
-        Path(local).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(f"{local}.part")
-        try:
-            self._pafs.copy_files(self._path(rel), str(tmp), source_filesystem=self.fs)
-            os.replace(tmp, local)
-        except OSError as e:
-            raise CheckpointError(f"download of {self.uri}/{rel} failed: {e}") from e
+        self._download(self._path(rel), Path(local))
         return True
 
     def put_file(self, local: Path, rel: str) -> None:
-        self.fs.create_dir(self._path(rel).rsplit("/", 1)[0], recursive=True)
+        self._make_parent(rel)
         self._pafs.copy_files(str(local), self._path(rel), destination_filesystem=self.fs)
 
     def put_tree(self, local: Path, rel: str, skip: tuple[str, ...] = (), hashes: bool = True) -> dict[str, list]:
@@ -117,11 +124,15 @@ class Store:
         Returns {relative name: [bytes, sha256 (None without `hashes`)]} of what was uploaded."""
         out = {}
         try:
-            for path in sorted(p for p in Path(local).rglob("*") if p.is_file()):
+            files = []
+            for path in sorted(Path(local).rglob("*")):
                 name = path.relative_to(local).as_posix()
-                if name.split("/", 1)[0] in skip:
-                    continue
-                self.put_file(path, f"{rel}/{name}" if rel else name)
+                if path.is_file() and name.split("/", 1)[0] not in skip:
+                    files.append((path, name, f"{rel}/{name}" if rel else name))
+            for parent in sorted({self._path(to).rsplit("/", 1)[0] for *_, to in files}):   # once per folder
+                self.fs.create_dir(parent, recursive=True)
+            for path, name, to in files:
+                self._pafs.copy_files(str(path), self._path(to), destination_filesystem=self.fs)
                 out[name] = [path.stat().st_size, _sha256(path) if hashes else None]
         except OSError as e:
             raise CheckpointError(f"upload of {local} to {self.uri}/{rel} failed: {e}") from e
@@ -142,13 +153,7 @@ class Store:
             dest = Path(local) / info.path[len(base):].lstrip("/")
             if dest.exists() and dest.stat().st_size == info.size:
                 continue
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(dest.name + ".part")
-            try:
-                self._pafs.copy_files(info.path, str(tmp), source_filesystem=self.fs)
-                os.replace(tmp, dest)   # whole files only: two ranks of one node may fetch the same checkpoint
-            except OSError as e:
-                raise CheckpointError(f"download of {self.uri}/{rel} failed: {e}") from e
+            self._download(info.path, dest)
             got += info.size
         return got
 
