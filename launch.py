@@ -214,7 +214,8 @@ def run(cfg, run_dir: Path, model_path: str, tokenizer, dataset, summary: dict |
         quiet_bar.enter_context(logging_redirect_tqdm())   # log lines above the progress bar, not glued onto it
         bar = tqdm(range(start, last + 1), initial=start - 1, total=last, desc=cfg.algorithm.name.upper(), file=sys.stderr)
         snap: dict = {}   # the cost of the step snapshot written after the previous step, in this step's record
-        advisor = StalenessAdvisor(cluster.max_staleness, extra_lag=cluster.extra_lag)
+        r = cfg.rollout   # the run's section: launch serves every step with it (only a benchmark changes it)
+        advisor = StalenessAdvisor(r.max_staleness, extra_lag=r.token_lag_bound() - r.max_staleness)
         for step in bar:
             m, meta = rl_step(cluster, cfg, step)
             m.update(snap)

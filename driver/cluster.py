@@ -74,7 +74,6 @@ class Cluster(EngineRecovery):
         r = cfg.rollout
         self.pause_mode = pause_mode(cfg, r)
         self.max_staleness = r.max_staleness   # of the steps being served (a benchmark changes it per segment)
-        self.extra_lag = r.token_lag_bound() - r.max_staleness   # partial rollouts' late groups (scheduler.py)
         self.overlap = OverlappedSync(self)    # weight_sync.overlap (driver/overlap.py)
         self.colocation: Colocation | None = None
         try:
@@ -219,7 +218,6 @@ class Cluster(EngineRecovery):
             auto = {} if "running_requests" in r.model_fields_set else {"running_requests": "auto"}
             rollout = r.model_copy(update={**auto, **overrides})
             self.max_staleness = rollout.max_staleness
-            self.extra_lag = rollout.token_lag_bound() - rollout.max_staleness
             self.pause_mode = pause_mode(self.cfg, rollout)
         self._manager_plan = (last_step or self.cfg.experiment.steps, rollout)
         self._rget(self.rollouts.start.remote(first_step, self._manager_plan[0], version, pending, rollout),
