@@ -8,8 +8,8 @@
 pre-Ray stage (config, dataset rows, model folder, tokenizer, reward function, evaluation prompts, what this
 machine can hold, the run folder) and stops before Ray. Bad input: one `error:` line per problem, exit code 2.
 
-This module deliberately imports nothing heavy at its top (argparse only; the schema for `--help` is pydantic and
-yaml): `rlhf-orch --help` answers in well under a second. torch, transformers and Ray come in only with the
+This module deliberately imports nothing heavy at its top (argparse and the config layer, which is pydantic and
+yaml only, no torch): `rlhf-orch --help` answers in well under a second. torch, transformers and Ray come in only with the
 subcommand that needs them, and launch.py (the driver, which imports Ray: this library must not) is loaded from
 the checkout only by `train` and `check`.
 """
@@ -19,6 +19,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
+
+from rlhf_orch.config import load_config
+from rlhf_orch.config.loader import config_yaml
+from rlhf_orch.config.schema import ExperimentConfig
+from rlhf_orch.errors import RLHFOrchError
+from rlhf_orch.run_dir import claim_run_dir, job_output_override
 
 ROOT = Path(__file__).resolve().parent.parent   # the checkout: launch.py, actors/, and reward modules like tests.*
 
@@ -36,9 +42,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def sections_help() -> str:
     """The config's sections with their one-line descriptions (for --help)."""
-    # The schema needs pydantic and yaml only (no torch): cheap enough for --help, yet imported here rather than
-    # at module top so that `import rlhf_orch.cli` costs nothing.
-    from rlhf_orch.config.schema import ExperimentConfig
     fields = ExperimentConfig.model_fields
     width = max(len(name) for name in fields) + 2
     lines = ["config sections (configs/*.yaml; every field has a default and a description in "
@@ -99,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         return _launch().main(run_argv)
     _log_to_stderr()
-    from rlhf_orch.errors import RLHFOrchError
     try:
         if args.command == "check":
             cfg, run_dir = _check(run_argv)
@@ -109,7 +111,6 @@ def main(argv: list[str] | None = None) -> int:
         for line in str(e).splitlines():
             sys.stderr.write(f"error: {line}\n")
         return 2
-    from rlhf_orch.config.loader import config_yaml
     sys.stdout.write(config_yaml(cfg))
     if run_dir is not None:
         sys.stdout.write(f"ok: every check before Ray passed; the run would write to {run_dir.resolve()}\n")
@@ -119,8 +120,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _load(config: str, overrides: list[str]):
     """load_config as launch.py calls it (in a Ray job, with its output folder moved out of the working dir)."""
-    from rlhf_orch.config import load_config
-    from rlhf_orch.run_dir import job_output_override
     extra, _ = job_output_override(config, overrides, dict(os.environ), os.getcwd())
     return load_config(config, [*overrides, extra] if extra else overrides)
 
@@ -130,7 +129,6 @@ def _check(run_argv: list[str]):
     cases where it deletes nothing. Returns (config, run folder); raises RLHFOrchError."""
     launch = _launch()
     cfg, run_dir, *_ = launch.preflight(run_argv)
-    from rlhf_orch.run_dir import claim_run_dir
     if cfg.resume or not cfg.experiment.overwrite:   # resume=false + overwrite=true would delete the earlier outputs
         claim_run_dir(run_dir, cfg.resume, cfg.experiment.overwrite)
     return cfg, run_dir

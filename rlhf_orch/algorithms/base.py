@@ -20,6 +20,9 @@ plus, if it has new settings, their fields in the config schema's algorithm sect
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -59,13 +62,9 @@ def make_algorithm(settings: dict[str, Any]) -> "Algorithm":
 
 def _load_all() -> None:
     # Every module of this package may define algorithms; they register themselves on import, so a new
-    # algorithm is a new file here and nothing else.
-    import importlib
-    import pkgutil
-
-    import rlhf_orch.algorithms as pkg
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    # algorithm is a new file here and nothing else. (The package's folder is this module's: no self-import.)
+    for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        importlib.import_module(f"{__package__}.{mod.name}")
 
 
 class KLController:

@@ -14,23 +14,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from rlhf_orch.data.prepare import prepare_rows
-from rlhf_orch.data.rows import DataSpec
-from rlhf_orch.data.tasks import TASKS, arithmetic_rows
+from rlhf_orch.data.prepare import load_rows  # noqa: F401 (re-exported: the dataset's rows come from here)
 from rlhf_orch.errors import DataError
 from rlhf_orch.types import Prompt
-
-
-def load_rows(source: str, max_operand: int = 9, seed: int = 0) -> list[dict]:
-    """Rows of `source`: 'builtin:<task>', or a .jsonl/.json/.parquet/.arrow file or folder of them read with the
-    defaults ("prompt" and "answer" fields, split "train", string prompts; `prepare.rows_for(cfg)` applies a
-    config's data section). Raises DataError listing every bad row."""
-    if source.startswith("builtin:"):
-        task = source.removeprefix("builtin:")
-        if task not in TASKS:
-            raise DataError(f"data.source: unknown built-in task {task!r}; use one of: {', '.join('builtin:' + t for t in TASKS)}")
-        return arithmetic_rows(max_operand, seed=seed) if task == "arithmetic" else TASKS[task](seed=seed)
-    return prepare_rows(DataSpec(source=source))   # the defaults; launch.py uses prepare.rows_for(cfg)
 
 
 @dataclass

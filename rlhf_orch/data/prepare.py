@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from rlhf_orch.data.rows import DataSpec, build_rows
 from rlhf_orch.data.sources import read_records
+from rlhf_orch.data.tasks import TASKS, arithmetic_rows
 from rlhf_orch.errors import DataError
 from rlhf_orch.models.tiny import build_tokenizer
 from rlhf_orch.rollout.agent_specs import row_agent_problems
@@ -29,10 +30,21 @@ def prepare_rows(spec: DataSpec, tokenizer=None) -> list[dict]:
     return build_rows(read_records(spec.source, spec.split), spec, tokenizer)
 
 
+def load_rows(source: str, max_operand: int = 9, seed: int = 0) -> list[dict]:
+    """Rows of `source`: 'builtin:<task>', or a .jsonl/.json/.parquet/.arrow file or folder of them read with the
+    defaults ("prompt" and "answer" fields, split "train", string prompts; `prepare.rows_for(cfg)` applies a
+    config's data section). Raises DataError listing every bad row."""
+    if source.startswith("builtin:"):
+        task = source.removeprefix("builtin:")
+        if task not in TASKS:
+            raise DataError(f"data.source: unknown built-in task {task!r}; use one of: {', '.join('builtin:' + t for t in TASKS)}")
+        return arithmetic_rows(max_operand, seed=seed) if task == "arithmetic" else TASKS[task](seed=seed)
+    return prepare_rows(DataSpec(source=source))   # the defaults; launch.py uses prepare.rows_for(cfg)
+
+
 def rows_for(cfg) -> list[dict]:
     """The rows of cfg.data: a built-in task's, or the file rows dataset_problems prepared for exactly this data
     section (prepared again if it has not, e.g. a config built without load_config)."""
-    from rlhf_orch.data.dataset import load_rows   # here: dataset.py imports this module
     d = cfg.data
     if d.source.startswith("builtin:"):
         return load_rows(d.source, d.max_operand, cfg.experiment.seed)
@@ -49,7 +61,6 @@ def dataset_problems(cfg) -> list[str]:
     """Every problem of cfg.data that needs the rows; on success the rows are kept for load_rows."""
     d = cfg.data
     if d.source.startswith("builtin:"):
-        from rlhf_orch.data.dataset import load_rows   # here: dataset.py imports this module
         try:
             n = len(load_rows(d.source, d.max_operand, cfg.experiment.seed))
         except DataError as e:
