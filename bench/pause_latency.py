@@ -21,7 +21,10 @@ pause, and the collections of each generation are summed up after the table. The
 (`AsyncVLLMRunner.pause`: the engine core's pause, no drain; `resume()` drains) and is split into: loop lag (until
 our coroutine runs on the runner's event loop), the engine core's pause, and the outputs still queued from the
 engine when it returned.
-`resume_s` includes the drain.
+`resume_s` includes the drain. Our engines (SGLang, hf) are measured as a sync drives them: pause, `finish_sync`
+(`finish_s`: no weights are loaded here; SGLang retracts a "keep" pause's requests there, or flushes its cache after an
+abort), resume. SGLang's keep pauses run two variants of that retraction, interleaved: "bulk" (engines/sglang_sched.py)
+and "sglang" (SGLang's own retract).
 Prints a markdown table (median and max) and writes it to --out. `--sample-stacks` (vLLM): during each abort pause a
 thread samples every other thread's innermost frames every 2 ms (sys._current_frames; it needs the GIL too, so a
 long gap between samples is a C call that held it) from the pause's call until the aborted generate call has
@@ -208,20 +211,25 @@ class Engine:
         return t, out
 
     def pause(self, mode: str) -> dict:
+        """pause, finish_sync (what follows the weight load of a sync; no load here), resume: each timed."""
         t0 = time.perf_counter()
         self.engine.pause(mode)
         t1 = time.perf_counter()
         m = {"pause_s": t1 - t0, "gc_s": GC.within(t0, t1)}
+        self.engine.finish_sync(self.engine.weight_version)
+        t2 = time.perf_counter()
+        m["finish_s"] = t2 - t1
         self.engine.resume()
-        m["resume_s"] = time.perf_counter() - t1
+        m["resume_s"] = time.perf_counter() - t2
         parts = getattr(getattr(self.engine, "runner", None), "last_pause", {})   # SGLang's split of the pause
         m.update({k: parts.get(k, 0.0) for k in SGLANG_PARTS} if isinstance(self, Sglang) else {})
         return m
 
 
-# AsyncSGLangRunner.pause's split: the census of the paused scheduler, then (abort) the wait for every token it
-# generated to reach our streams through the detokenizer ("keep" waits for that in resume, after the weights load)
-SGLANG_PARTS = ("census_s", "drain_s")
+# AsyncSGLangRunner's split: the pause's census of the paused scheduler ("keep": the GPU step launched before the
+# pause waited for, counts read); in finish_sync, the retraction's round trip and its time in the scheduler; in
+# resume, the wait for every token generated before the pause to reach our streams through the detokenizer
+SGLANG_PARTS = ("census_s", "settle_s", "retract_hook_s", "drain_s")
 
 
 class Sglang(Engine):
@@ -234,6 +242,11 @@ class Sglang(Engine):
                                             mem_fraction_static=args.gpu_mem, context_length=args.max_tokens + 64,
                                             load_format="dummy")
         self.engine.weight_version = 0
+
+    def start(self, n: int, args, variant: str):
+        if variant in ("bulk", "sglang"):   # how a keep pause's requests are retracted (StreamingSGLangEngine.retract)
+            self.engine.retract = variant
+        return super().start(n, args, variant)
 
     def close(self):
         self.engine.shutdown()
@@ -252,9 +265,9 @@ class Hf(Engine):
 
 def measure(eng, args) -> list[dict]:
     rows = _Rows()
-    variants = ["end", "flat", "detok"] if args.engine == "vllm" else ["-"]
-    # FINAL_ONLY requests refuse a keep pause: abort rounds only
-    abort_variants = variants + ["final"] if args.engine == "vllm" else variants
+    variants = {"vllm": ["end", "flat", "detok"], "sglang": ["bulk", "sglang"]}.get(args.engine, ["-"])
+    # FINAL_ONLY requests refuse a keep pause: abort rounds only; SGLang's retraction variants are keep's alone
+    abort_variants = variants + ["final"] if args.engine == "vllm" else ["-"]
     for j, n in enumerate(args.running):
         for v in (variants if j % 2 == 0 else variants[::-1]):   # keep: one running set per variant
             job = eng.start(n, args, v) if n else None
@@ -292,8 +305,8 @@ class _Rows(list):
 
 def table(rows: list[dict], args) -> str:
     keys = (["pause_s", "gc_s", "loop_lag_s", "engine_s", "return_s", "resume_s"] if args.engine == "vllm"
-            else ["pause_s", "gc_s", *SGLANG_PARTS, "resume_s"] if args.engine == "sglang"
-            else ["pause_s", "gc_s", "resume_s"])
+            else ["pause_s", "gc_s", "finish_s", *SGLANG_PARTS, "resume_s"] if args.engine == "sglang"
+            else ["pause_s", "gc_s", "finish_s", "resume_s"])
     lines = ["| running | mode | text | n | " + " | ".join(f"{k} median (max)" for k in keys) +
              (" | queued at return (median) |" if args.engine == "vllm" else " |"),
              "|" + "---|" * (len(keys) + 4 + (args.engine == "vllm"))]

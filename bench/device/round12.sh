@@ -8,7 +8,8 @@
 #                                          # tests/gpu/test_vllm_streaming.py (the streaming engine's pauses)
 #   bash bench/device/round12.sh sgtest    # GPU 0: tests/gpu/test_sglang_streaming.py (SGLang staged, as sgpause)
 #   bash bench/device/round12.sh sgpause   # GPU 0: bench/pause_latency.py --engine sglang at 0-512 running (#27 item 1;
-#                                          # needs SGLang staged into /tmp/site-sglang; not yet run)
+#                                          # needs SGLang staged into /tmp/site-sglang); ROUNDS keep pauses per set and
+#                                          # retraction variant (default 4), ABORT_ROUNDS fresh sets (default 2)
 #   bash bench/device/round12.sh toolrun   # GPU 0: configs/vllm_coloc_tool.yaml (tiny model, calculator tool, vLLM
 #                                          # colocated) for STEPS steps (default 30); reward and turns, first and last
 # Files in $OUT: gpus.txt, multiturn.md (the table, appended), multiturn.log, toolrun.log, toolrun.tgz (metrics,
@@ -33,8 +34,8 @@ case "${1:-}" in
     echo "== sgtest exit $?"; grep -E "FAIL|Error|passed|failed" "$OUT/sgtest.log" | tail -12 ;;
   sgpause)
     PYTHONPATH=/tmp/site-sglang:$PWD:$PWD/tests CUDA_VISIBLE_DEVICES=0 timeout -k 15 "${PAUSE_TIMEOUT:-540}" \
-      python3 bench/pause_latency.py --engine sglang --running ${RUNNING:-0 64 256 512} --max-tokens 2048 --rounds 4 \
-      --abort-rounds 2 --gpu-mem 0.7 --out "$OUT/sgpause.md" > "$OUT/sgpause.log" 2>&1
+      python3 bench/pause_latency.py --engine sglang --running ${RUNNING:-0 64 256 512} --max-tokens 2048 --rounds "${ROUNDS:-4}" \
+      --abort-rounds "${ABORT_ROUNDS:-2}" --gpu-mem 0.7 --out "$OUT/sgpause.md" > "$OUT/sgpause.log" 2>&1
     echo "== sgpause exit $?"; grep -E "^\|" "$OUT/sgpause.md" 2>/dev/null || { grep "^row" "$OUT/sgpause.log" | tail -30
       grep -vE "^row" "$OUT/sgpause.log" | tail -20; } ;;
   toolrun)

@@ -5,28 +5,32 @@ TokenizerManager runs on, is that loop; engine.py:302-306) and offers blocking, 
 - `generate(prompts, sampling_params, version_fn)`: one `Engine.async_generate(stream=True, return_logprob=True)`
   request per prompt, all in flight at once; every token is stamped on arrival with its call's version.
 - `pause(mode)` / `resume()` for the modes of engines/base.py: "wait" (running requests finish, new ones wait),
-  "keep" (TokenizerManager.pause_generation(mode="retract"): running requests leave the batch, their KV is freed,
-  their tokens are kept, and after `continue_generation` they re-prefill prompt + tokens under the new weights),
-  "abort" (SGLang's retract pause, then `abort_request(abort_all=True)`, and our streams end at once with
-  finish_reason "abort" and the tokens they have; the caller re-queues them whole, so nothing more is waited for).
+  "keep" (SGLang's `in_place` pause, O(1): requests stay where they are until the weights have loaded; then the
+  scheduler retracts them, tokens kept, and drops the old-weight KV, so after `continue_generation` they re-prefill
+  prompt + tokens under the new weights), "abort" (SGLang's retract pause, then `abort_request(abort_all=True)`, and
+  our streams end at once with finish_reason "abort" and the tokens they have; the caller re-queues them whole, so
+  nothing more is waited for).
 Engine's own blocking methods (`update_weights_from_*`, `flush_cache`, ...) call `self.loop.run_until_complete`,
 which cannot drive a loop another thread runs; `Engine.loop` is replaced by `_OnLoop`, which runs them there.
 
-Why "retract" for "keep", not "in_place": in_place keeps the running batch and its KV computed with the old
-weights (so later tokens are not the new policy's), streams the overlapped step sampled before the pause only
-after continue, and makes every cache flush fail. retract frees the KV; the radix tree still holds old-weight
-prompt KV, which `StreamingSGLangEngine.finish_sync` evicts (flush_cache is refused while retracted requests
-wait), so after resume every token is exactly the new policy's given the tokens before.
+Why the retraction comes after the load (issue #27: a pause under 50 ms at 512 running requests). SGLang's retract
+pause releases each request's KV in turn (0.18 ms per request: 95 ms at 512 on an H200, bench/RESULTS.md), and our
+census was queued behind it. So a "keep" pause is now `in_place` plus a light census in the scheduler
+(engines/sglang_sched.py, op "count"): it waits for the GPU step launched before the pause, so no weight is written
+under a running forward, and counts every request's tokens including the one that step will add. After the load,
+`finish_sync` (or `resume`, when no load came) asks the scheduler to process that step and retract (op "retract":
+in bulk, with the pools reset at once, where the configuration is the plain one; SGLang's own retract otherwise).
+Continuing in place on old-weight KV is never done: later tokens would not be the new policy's.
 
 Exact version stamps. SGLang's pause is fire-and-forget (tokenizer_manager.py:1974-1993) and the tokens of the
 last steps reach the TokenizerManager through the detokenizer process, after the pause returned. So the pause
 asks the paused scheduler, in a control message queued behind the pause (one socket, FIFO), how many tokens each
-of its requests has (`rlhf_sglang_census`, a custom weight loader that reads the Scheduler on its stack). Before
-the versions switch, each stream must have received exactly that many (requests that finished before the pause:
-their final output): `resume()` waits for that, so a "keep" pause returns without waiting for the detokenizer's
-backlog (seconds at hundreds of running requests on vLLM, issue #27), which arrives while the weights load. Nothing
-is generated until `resume()` sends continue_generation, and it switches the versions first: tokens before the
-pause carry the old version, all after it the new one.
+of its requests has (or will have once the pending step is processed). The retraction reports the exact counts;
+before the versions switch, each stream must have received exactly that many (requests that finished before the
+pause: their final output): `resume()` waits for that, so a "keep" pause returns without waiting for the
+detokenizer's backlog (seconds at hundreds of running requests on vLLM, issue #27), which arrives while the weights
+load. Nothing is generated until `resume()` sends continue_generation, and it switches the versions first: tokens
+sampled before the pause carry the old version, all after it the new one.
 
 Not supported: sleep with requests in flight or kept (SGLang asserts an idle scheduler), stop strings,
 data/pipeline parallelism, SGLang's own n > 1 (n is flattened to n requests, as in SGLangEngine). Weight loading
@@ -38,7 +42,6 @@ import asyncio
 import gc
 import json
 import logging
-import sys
 import threading
 import time
 import uuid
@@ -49,62 +52,14 @@ import torch
 
 from rlhf_orch.engines.base import PAUSE_MODES, Capabilities
 from rlhf_orch.engines.sglang import HOOK, SGLangEngine
-from rlhf_orch.engines.sglang_stream import write_report
+from rlhf_orch.engines.sglang_sched import CENSUS, PREFIX
 from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
 
 logger = logging.getLogger(__name__)
 
-CENSUS = "rlhf_orch.engines.sglang_async.rlhf_sglang_census"   # a custom_weight_loader: runs in the schedulers
-_CENSUS = "rlhf_orch.census:"
 
 Row = tuple   # (prompt_index, token_ids, logprobs (None: missing), token_versions, finish_reason, text)
-
-
-# ---- inside every SGLang scheduler process --------------------------------------------------------
-def _find_scheduler():
-    """The Scheduler whose process_input_requests called us (the update handler runs on its stack)."""
-    f = sys._getframe(1)
-    while f is not None:
-        s = f.f_locals.get("self")
-        for obj in (s, getattr(s, "scheduler", None)):
-            if all(hasattr(obj, a) for a in ("waiting_queue", "running_batch", "tree_cache")):
-                return obj
-        f = f.f_back
-    raise RuntimeError(f"{CENSUS}: no SGLang Scheduler on the call stack")
-
-
-def rlhf_sglang_census(model, named_tensors) -> None:
-    """custom_weight_loader entry, called with one tensor named "rlhf_orch.census:<json {dir, seq, evict}>".
-
-    Writes {seq, rank, paused, running, census: {rid: tokens generated}} of every unfinished request the scheduler
-    holds; with evict, also empties the radix tree of unlocked (old-weight) KV and reports its sizes."""
-    for name, _ in named_tensors:
-        if not name.startswith(_CENSUS):
-            raise RuntimeError(f"{CENSUS} only takes a census request; got tensor {name!r}")
-        cfg = json.loads(name[len(_CENSUS):])
-        sched = _find_scheduler()
-        reqs = list(sched.waiting_queue) + list(sched.running_batch.reqs)
-        chunked = getattr(sched, "chunked_req", None)
-        if chunked is not None:
-            reqs.append(chunked)
-        census = {str(r.rid): len(r.output_ids) for r in reqs if not r.finished()}
-        try:
-            from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank
-            rank = int(get_tensor_model_parallel_rank())
-        except ImportError:
-            rank = int(getattr(sched, "tp_rank", 0))
-        rec = {"seq": cfg["seq"], "rank": rank, "paused": bool(getattr(sched, "_engine_paused", False)),
-               "running": len(sched.running_batch.reqs), "census": census}
-        if cfg.get("evict"):
-            tc = sched.tree_cache
-            rec.update(cache=type(tc).__name__, evictable_before=int(tc.evictable_size()),
-                       protected=int(tc.protected_size()))
-            if rec["running"] == 0 and rec["evictable_before"] > 0:
-                from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-                tc.evict(EvictParams(num_tokens=rec["evictable_before"]))
-            rec["evictable_after"] = int(tc.evictable_size())
-        write_report(cfg["dir"], f"census{rank}", rec)
 
 
 # ---- the runner (in the rollout actor) -----------------------------------------------------------
@@ -152,10 +107,11 @@ class _Req:
 
 
 class AsyncSGLangRunner:
-    def __init__(self, make_engine: Callable[[], Any], census: Callable[[], dict[str, int]], *,
+    def __init__(self, make_engine: Callable[[], Any], census: Callable[[str], list[dict]], *,
                  start_timeout_s: float = 1800.0, drain_timeout_s: float = 10.0, gc_freeze: bool = True):
-        """`make_engine()` builds the engine (called on the loop thread); `census()` (called from the pausing
-        thread, after SGLang's pause) returns {rid: tokens generated} of the requests the paused scheduler holds.
+        """`make_engine()` builds the engine (called on the loop thread); `census(op)` (called from the pausing
+        thread, after SGLang's pause) returns every TP rank's record of engines/sglang_sched.py's op ("count" or
+        "retract"), whose "census" is {rid: tokens} of the requests the paused scheduler holds.
         `gc_freeze`: as AsyncVLLMRunner's: once the engine is up, the process's objects leave the cyclic
         collector's reach, so a full collection (which stops the loop thread that runs every stream) walks only
         what requests made since (first SGLang run of bench/pause_latency.py: 27 full collections of ~430 ms)."""
@@ -164,6 +120,7 @@ class AsyncSGLangRunner:
         self.paused_mode: str | None = None
         self.last_pause: dict = {}
         self._counts: dict[str, int] | None = None   # a "keep" pause's census, drained in resume()
+        self._settled = True                          # a "keep" pause's retraction has run (settle())
         self._calls: set[_Call] = set()
         self._reqs: dict[str, _Req] = {}       # admitted and not ended (loop thread only)
         self._open = asyncio.Event()
@@ -293,12 +250,25 @@ class AsyncSGLangRunner:
             raise EngineError(f"already paused ({self.paused_mode!r}); resume() first")
         t0 = time.perf_counter()
         stats: dict = {"mode": mode}
+        collecting = gc.isenabled()
+        gc.disable()   # no collection stops the loop thread inside a pause (5-12 ms median there, bench/RESULTS.md)
+        try:
+            self._pause(mode, stats)
+        finally:
+            if collecting:
+                gc.enable()
+        stats["pause_s"] = time.perf_counter() - t0
+        self.last_pause = stats
+        logger.debug("paused: %s", stats)
+
+    def _pause(self, mode: str, stats: dict) -> None:
         self._call(self._close(mode))
         if mode == "wait":
             self._call(self._until(lambda: not self._reqs, None))
         elif mode == "keep":
             t1 = time.perf_counter()
-            self._counts = self.census()   # drained in resume()
+            self._counts = self.census("count")[0]["census"]   # predicted; settle() makes them exact
+            self._settled = False
             stats.update(census_s=time.perf_counter() - t1, kept=len(self._counts))
         else:
             # An aborted request's group is re-queued whole (rollout/scheduler.py on_generated): its tokens are
@@ -306,9 +276,6 @@ class AsyncSGLangRunner:
             # (they were 0.1 and 0.3 s of a 0.5 s abort at 512 running on an H200, bench/RESULTS.md). SGLang takes
             # the abort before any later message (one FIFO socket), so no request decodes on the new weights.
             stats["aborted"] = self._call(self._abort_all())
-        stats["pause_s"] = time.perf_counter() - t0
-        self.last_pause = stats
-        logger.debug("paused: %s", stats)
 
     async def _close(self, mode: str) -> None:
         self._open.clear()
@@ -316,7 +283,9 @@ class AsyncSGLangRunner:
         if mode == "wait":
             return
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
-        await self.tm.pause_generation(PauseGenerationReqInput(mode="retract"))
+        # keep: in_place (O(1)); the retraction runs after the load (settle). abort: retract, so the step launched
+        # before the pause is processed (and the GPU idle) before the weight load, which queues behind it
+        await self.tm.pause_generation(PauseGenerationReqInput(mode="in_place" if mode == "keep" else "retract"))
         # The pause message is queued for the scheduler; no request is sent after it without is_pause being
         # checked first. Which requests were sent before? (no await from here to the census: consistent)
         for r in self._reqs.values():
@@ -345,8 +314,14 @@ class AsyncSGLangRunner:
         for r in self._reqs.values():
             r.aborted = True
         self.tm.abort_request(abort_all=True)   # SGLang drops them (retracted ones wait in its queue)
+        # Our TokenizerManager states go first: a cancelled generate_request then finds none and sends no AbortReq
+        # of its own (tokenizer_manager.py:3512-3525; abort_all covers them), and the scheduler's answers for these
+        # rids are skipped (:2204-2212). 512 such sends were most of the abort pause's loop-thread time.
+        drop = getattr(self.tm, "_remove_req_state", None)
         n = len(self._reqs)
         for r in list(self._reqs.values()):
+            if drop is not None and r.started:
+                drop(r.rid)
             r.task.cancel()                     # _one ends it as aborted, without waiting for SGLang's answer
         if not await self._until(lambda: not self._reqs, self.drain_timeout_s):
             logger.warning("%d requests did not end %.1fs after their abort", len(self._reqs), self.drain_timeout_s)
@@ -360,10 +335,31 @@ class AsyncSGLangRunner:
             await asyncio.sleep(0.001)
         return True
 
-    def resume(self) -> None:
-        """After "keep": wait until the tokens generated before the pause reached our streams (the backlog came in
-        while the weights loaded). Then stamp later tokens with version_fn() (read now) and let SGLang generate."""
+    def settle(self) -> list[dict]:
+        """After a "keep" pause (once the weights loaded): the scheduler processes the step launched before the
+        pause and retracts every request (op "retract"); its exact counts replace the pause's predicted ones.
+        Returns every TP rank's record ([] when there is nothing to settle)."""
+        if self.paused_mode != "keep" or self._settled:
+            return []
         t0 = time.perf_counter()
+        recs = self.census("retract")
+        exact = recs[0]["census"]
+        predicted = self._counts or {}
+        off = [rid for rid, n in exact.items() if predicted.get(rid) != n]
+        if off:   # the prediction rule (sglang_sched.pending_tokens) missed a case: the exact counts are used
+            logger.warning("SGLang's token counts after the retraction differ from the pause's for %d requests (%s)",
+                           len(off), off[:3])
+        self._counts, self._settled = exact, True
+        self.last_pause.update(settle_s=time.perf_counter() - t0, predicted=not off, retract=recs[0].get("how"),
+                               retract_hook_s=recs[0].get("hook_s", 0.0))
+        return recs
+
+    def resume(self) -> None:
+        """After "keep": settle() if no weight load did, then wait until the tokens generated before the pause
+        reached our streams (the backlog came in while the weights loaded). Then stamp later tokens with
+        version_fn() (read now) and let SGLang generate."""
+        t0 = time.perf_counter()
+        self.settle()
         if self._counts is not None:
             counts, self._counts = self._counts, None
             self.last_pause["exact"] = self._call(self._drain(counts))
@@ -417,21 +413,30 @@ class StreamingSGLangEngine(SGLangEngine):
 
     generation = Capabilities(partial_rollouts=True, concurrent_generate=True)
     weight_loaders = (HOOK, CENSUS)
+    # How a "keep" pause's requests are retracted after the load: "bulk" (engines/sglang_sched.py: one pass, where the
+    # scheduler's configuration is the plain one; SGLang's own retract elsewhere) or "sglang" (always SGLang's own).
+    # Not a user setting: bench/pause_latency.py measures both.
+    retract = "bulk"
 
     def _start_engine(self, **kw):
         from sglang.srt.entrypoints.engine import Engine   # sets SGLang's event-loop policy before our loop exists
         kw.update(stream_interval=1, incremental_streaming_output=False)   # every token streamed, cumulative lists
         self._census_seq = 0
-        self.runner = AsyncSGLangRunner(lambda: Engine(**kw), lambda: self._census(False)[0]["census"])
+        self.runner = AsyncSGLangRunner(lambda: Engine(**kw), self._census)
         return self.runner.engine
 
-    def _census(self, evict: bool) -> list[dict]:
-        """The paused scheduler's census (and with evict, its radix tree emptied), one record per TP rank."""
+    def _census(self, op: str) -> list[dict]:
+        """The paused scheduler's census ("count") or retraction ("retract"), one record per TP rank."""
         self._census_seq += 1
-        cfg = json.dumps({"dir": self._dir, "seq": self._census_seq, "evict": bool(evict)})
-        self._call("census", self.engine.update_weights_from_tensor, [(_CENSUS + cfg, torch.empty(0))],
+        cfg = json.dumps({"dir": self._dir, "seq": self._census_seq, "op": op, "bulk": self.retract == "bulk"})
+        self._call("census", self.engine.update_weights_from_tensor, [(PREFIX + cfg, torch.empty(0))],
                    load_format=CENSUS, flush_cache=False)
-        return self._reports(self._census_seq, prefix="census")
+        recs = self._reports(self._census_seq, prefix="census")
+        bad = [r for r in recs if r.get("error")]
+        if bad:
+            raise EngineError(f"engine {self.name}: the scheduler's {op} failed on TP rank {bad[0]['rank']}: "
+                              f"{bad[0]['error']}")
+        return recs
 
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list[Sample]:
         flat, sp, n = self._prompt_requests(prompts, params)
@@ -467,11 +472,12 @@ class StreamingSGLangEngine(SGLangEngine):
             self.runner.resume()
 
     def finish_sync(self, version: int) -> None:
-        """After "keep": retracted requests wait in SGLang's queue, so flush_cache would fail; evict the radix tree's
-        old-weight KV instead (nothing holds it), so kept and new requests prefill under the new weights."""
+        """After "keep": the scheduler retracts the kept requests now that the weights are loaded and drops the
+        old-weight KV (flush_cache would fail: the retracted requests wait in its queue), so kept and new requests
+        prefill under the new weights."""
         if self.runner.paused_mode != "keep":
             return super().finish_sync(version)
-        for rec in self._census(True):
+        for rec in self.runner.settle():
             if rec.get("protected") or rec.get("evictable_after"):
                 raise EngineError(f"engine {self.name}: TP rank {rec['rank']} kept old-weight KV in its radix cache "
                                   f"({rec.get('protected')} locked, {rec.get('evictable_after')} left after evicting)")

@@ -1,9 +1,10 @@
 """The streaming SGLang engine (`kind: sglang`, `streaming: true`: sglang.Engine on its own loop thread) on a GPU:
-the engine contract, concurrent calls, then partial rollouts: requests in flight are retracted by a "keep" pause,
-new weights are loaded under them (load_weights, and our IPC sync path with its checksums), the radix cache's
-old-weight KV is evicted, and after resume their later tokens carry the new version and are exactly the new
-policy's (they re-prefill under the new weights); the version boundary of every request sits exactly at the token
-count the paused scheduler reports; an "abort" pause hands requests back unfinished. Needs SGLang 0.5.17:
+the engine contract, concurrent calls, then partial rollouts: a "keep" pause stops requests in flight in place,
+new weights are loaded under them (load_weights, and our IPC sync path with its checksums), finish_sync retracts
+them and drops the old-weight KV (engines/sglang_sched.py), and after resume their later tokens carry the new
+version and are exactly the new policy's (they re-prefill under the new weights); the version boundary of every
+request sits exactly at the token count the paused scheduler predicted (its pending step's token included), which
+the retraction confirms; an "abort" pause hands requests back unfinished. Needs SGLang 0.5.17:
 
     PYTHONPATH=/tmp/site-sglang:$PWD:$PWD/tests NCCL_NVLS_ENABLE=0 python -m pytest -q -s -m gpu tests/gpu/test_sglang_streaming.py
 """
@@ -97,10 +98,12 @@ def test_version_boundary_is_exact_through_an_ipc_sync(engine, dirs):
         engine.pause("keep")
         t1 = time.perf_counter()
         assert worker.is_alive(), "the requests finished before the pause: make them longer"
-        counts = engine._census(False)[0]["census"]
+        counts = dict(engine.runner._counts)   # predicted: the tokens processed + the pending step's
         assert len(counts) == 32 and all(c > 0 for c in counts.values())
-        time.sleep(0.2)   # the detokenizer's backlog arrives (pause() no longer waits for it; resume() checks it)
-        assert {rid: len(r.tokens) for rid, r in engine.runner._reqs.items()} == counts, "nothing runs while paused"
+        time.sleep(0.2)   # the detokenizer's backlog arrives (pause() does not wait for it; resume() checks it)
+        got = {rid: len(r.tokens) for rid, r in engine.runner._reqs.items()}
+        assert set(got) == set(counts) and all(counts[k] - 1 <= got[k] <= counts[k] for k in got), \
+            "nothing runs while paused (the pending step's token comes with the retraction)"
         target = new_dir if rep % 2 == 0 else old_dir   # alternate, so every round changes the weights
         ws = weights if rep % 2 == 0 else [(n, t.to(dev)) for n, t in named_weights(old_dir, torch.bfloat16)]
         t2 = time.perf_counter()
@@ -111,6 +114,10 @@ def test_version_boundary_is_exact_through_an_ipc_sync(engine, dirs):
         t3 = time.perf_counter()
         engine.finish_sync(v)
         t4 = time.perf_counter()
+        assert engine.runner._counts == counts and engine.runner.last_pause["predicted"]
+        time.sleep(0.2)
+        assert {rid: len(r.tokens) for rid, r in engine.runner._reqs.items()} == counts, "the pending step arrived"
+        t4b = time.perf_counter()
         engine.resume()
         t5 = time.perf_counter()
         assert engine.runner.last_pause["exact"]
@@ -136,9 +143,10 @@ def test_version_boundary_is_exact_through_an_ipc_sync(engine, dirs):
             assert abs(float(lp[cut] - ref_new[cut])) < 0.15, "the first token after resume is the new policy's"
         timings.append({"pause_keep_s": t1 - t0, "census_s": engine.runner.last_pause["census_s"],
                         "drain_s": engine.runner.last_pause["drain_s"], "ipc_sync_s": t3 - t2,
-                        "finish_sync_evict_s": t4 - t3, "resume_s": t5 - t4, "kept": len(counts)})
+                        "finish_sync_retract_s": t4 - t3, "retract": engine.runner.last_pause["retract"],
+                        "resume_s": t5 - t4b, "kept": len(counts)})
         v += 1
-    med = {k: statistics.median(t[k] for t in timings) for k in timings[0]}
+    med = {k: statistics.median(t[k] for t in timings) for k in timings[0] if k != "retract"}
     print("\nSGLANG_STREAMING_TIMINGS " + json.dumps({"rounds": timings, "median": med}))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "sglang_streaming_timings.json"), "w") as f:

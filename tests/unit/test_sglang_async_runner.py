@@ -5,9 +5,12 @@ whose output_ids / output_token_logprobs are the request's live, growing lists (
 the TokenizerManager's pause_generation is fire-and-forget (the scheduler acts on it later, in order with the other
 messages), new requests wait on is_pause before they are sent (`ReqState.dispatched` marks the send), a retract
 moves running requests back to the waiting queue, and tokens reach the TokenizerManager only after a detokenizer
-delay much longer than a decode step, so many are still on their way when the pause returns. An abort of a
-queued request answers on a direct path (overtaking those tokens) with output_ids [last] (:3181-3184). The census
-(the scheduler's token count per request) is queued behind the pause like the real custom-loader call.
+delay much longer than a decode step, so many are still on their way when the pause returns. An `in_place` pause
+leaves one step launched and unprocessed, as SGLang's overlap loop does: its token (sampled before the pause) is
+appended only when that step is processed, by the retraction (or by continue). An abort of a queued request answers
+on a direct path (overtaking those tokens) with output_ids [last] (:3181-3184). The census ops ("count": tokens
+including the pending step's; "retract": process the step, retract, exact counts; engines/sglang_sched.py) are
+queued behind the pause like the real custom-loader call.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rlhf_orch.engines.sglang_async import AsyncSGLangRunner, rlhf_sglang_census
+from rlhf_orch.engines.sglang_async import AsyncSGLangRunner
 from rlhf_orch.errors import EngineError
 
 STEP_S = 0.002
@@ -48,18 +51,11 @@ class ContinueGenerationReqInput:
 @pytest.fixture(autouse=True)
 def fake_io_struct(monkeypatch):
     mods = {}
-    for name in ("sglang", "sglang.srt", "sglang.srt.managers", "sglang.srt.managers.io_struct",
-                 "sglang.srt.mem_cache", "sglang.srt.mem_cache.base_prefix_cache"):
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers", "sglang.srt.managers.io_struct"):
         mods[name] = types.ModuleType(name)
         monkeypatch.setitem(sys.modules, name, mods[name])
     mods["sglang.srt.managers.io_struct"].PauseGenerationReqInput = PauseGenerationReqInput
     mods["sglang.srt.managers.io_struct"].ContinueGenerationReqInput = ContinueGenerationReqInput
-    mods["sglang.srt.mem_cache.base_prefix_cache"].EvictParams = EvictParams
-
-
-@dataclass
-class EvictParams:
-    num_tokens: int = 0
 
 
 # ---------------------------------------------------------------- the fake
@@ -91,10 +87,10 @@ class FakeScheduler:
     def __init__(self, tm: "FakeTM"):
         self.tm, self.inbox, self.waiting, self.running = tm, [], [], []
         self.paused, self.epoch, self.all = False, 0, {}
+        self.pending: list[SReq] = []   # the step launched before an in_place pause, not processed yet
         self.task = asyncio.get_running_loop().create_task(self.loop())
 
     async def loop(self):
-        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(STEP_S)
             inbox, self.inbox = self.inbox, []
@@ -104,34 +100,54 @@ class FakeScheduler:
                     self.all[msg[1].rid] = msg[1]
                 elif msg[0] == "pause":
                     self.paused = True
-                    self.waiting = self.running + self.waiting     # retract
-                    self.running = []
+                    if msg[1] == "retract":
+                        self.waiting = self.running + self.waiting
+                        self.running = []
+                    else:                                          # in_place: one step in flight
+                        self.pending = [r for r in self.running if not r.finished()]
                 elif msg[0] == "continue":
+                    self.settle()
                     self.paused = False
                     self.epoch += 1
                 elif msg[0] == "abort":
                     for r in [r for r in self.waiting if msg[2] or r.rid == msg[1]]:
                         self.waiting.remove(r)
                         self.tm.deliver_abort(r.rid)                # direct path: no detokenizer delay
-                elif msg[0] == "census":
-                    msg[1].set_result({r.rid: len(r.output_ids) for r in self.waiting + self.running})
+                elif msg[0] == "census" and msg[2] == "count":
+                    ahead = {r.rid for r in self.pending}
+                    msg[1].set_result({r.rid: len(r.output_ids) + (r.rid in ahead)
+                                       for r in self.waiting + self.running if not r.finished()})
+                elif msg[0] == "census":                          # retract: process the step, then retract
+                    self.settle()
+                    self.waiting = self.running + self.waiting
+                    self.running = []
+                    msg[1].set_result({r.rid: len(r.output_ids) for r in self.waiting if not r.finished()})
             if self.paused:
                 continue
             self.running += self.waiting
             self.waiting = []
             for r in list(self.running):
-                j = len(r.output_ids)
-                r.output_ids.append(tok(r.prompt, j))
-                r.epochs.append(self.epoch)
-                done = r.finished()
-                if done:
-                    self.running.remove(r)
-                loop.call_later(DETOK_S, self.tm.deliver, r.rid, [tok(r.prompt, j)], [lp(r.prompt, j)],
-                                {"type": "length"} if done else None)
+                self.step(r)
 
-    async def census(self) -> dict:
+    def step(self, r: SReq) -> None:
+        j = len(r.output_ids)
+        r.output_ids.append(tok(r.prompt, j))
+        r.epochs.append(self.epoch)
+        done = r.finished()
+        if done:
+            self.running.remove(r)
+        asyncio.get_running_loop().call_later(DETOK_S, self.tm.deliver, r.rid, [tok(r.prompt, j)], [lp(r.prompt, j)],
+                                              {"type": "length"} if done else None)
+
+    def settle(self) -> None:
+        pending, self.pending = self.pending, []
+        for r in pending:
+            if r in self.running and not r.finished():
+                self.step(r)
+
+    async def census(self, op: str) -> dict:
         fut = asyncio.get_running_loop().create_future()
-        self.inbox.append(("census", fut))
+        self.inbox.append(("census", fut, op))
         return await fut
 
 
@@ -143,6 +159,7 @@ class FakeTM:
         self.sched = FakeScheduler(self)
         self.tokenize_s = 0.0
         self.pause_modes: list[str] = []
+        self.own_aborts = 0             # AbortReqs a cancelled generate_request sent for its own request
 
     async def pause_generation(self, obj):
         self.pause_modes.append(obj.mode)
@@ -180,8 +197,14 @@ class FakeTM:
                 if st.finished:
                     return
         except BaseException:
+            if self.rid_to_state.get(rid) is st and st.dispatched:   # _discard_pending_req_states
+                self.sched.inbox.append(("abort", rid, False))
+                self.own_aborts += 1
             self.rid_to_state.pop(rid, None)
             raise
+
+    def _remove_req_state(self, rid):
+        return self.rid_to_state.pop(rid, None)
 
     def deliver(self, rid, ids, lps, finish):
         st = self.rid_to_state.get(rid)
@@ -230,8 +253,10 @@ class FakeEngine:
 def runner():
     box = {}
 
-    def census():
-        return asyncio.run_coroutine_threadsafe(box["r"].engine.tokenizer_manager.sched.census(), box["r"]._loop).result(10)
+    def census(op):
+        counts = asyncio.run_coroutine_threadsafe(box["r"].engine.tokenizer_manager.sched.census(op),
+                                                  box["r"]._loop).result(10)
+        return [{"census": counts, "how": "fake", "hook_s": 0.0}]
 
     r = box["r"] = AsyncSGLangRunner(FakeEngine, census, drain_timeout_s=5.0)
     yield r
@@ -297,13 +322,19 @@ def test_keep_pause_stamps_exactly_despite_tokens_in_flight(runner):
     time.sleep(0.08)
     runner.pause("keep")
     tm = runner.engine.tokenizer_manager
-    kept = {r.rid: len(r.output_ids) for r in tm.sched.waiting}
-    assert tm.pause_modes == ["retract"] and len(kept) == 6 and all(0 < k < 120 for k in kept.values())
+    # in_place: the requests are still in the running batch, each with one launched step not processed yet
+    assert tm.pause_modes == ["in_place"] and not tm.sched.waiting and len(tm.sched.pending) == 6
+    kept = {r.rid: len(r.output_ids) + 1 for r in tm.sched.running}   # the census counts the pending token
+    assert runner._counts == kept and all(0 < k < 120 for k in kept.values())
     # pause() returned before the detokenizer's backlog arrived: some pre-pause tokens are still on their way
-    assert any(len(runner._reqs[rid].tokens) < k for rid, k in kept.items())
+    assert any(len(runner._reqs[rid].tokens) < k - 1 for rid, k in kept.items())
     assert runner.last_pause["kept"] == 6 and "drain_s" not in runner.last_pause
     time.sleep(0.05)
-    assert all(len(runner._reqs[rid].tokens) == k for rid, k in kept.items()), "nothing generated while paused"
+    assert all(len(runner._reqs[rid].tokens) == k - 1 for rid, k in kept.items()), "nothing generated while paused"
+    runner.settle()                                   # "after the load": the pending step is processed, then retracted
+    assert not tm.sched.running and len(tm.sched.waiting) == 6
+    assert runner.last_pause["predicted"] and runner._counts == kept
+    time.sleep(0.05)
     v["v"] = 1
     runner.resume()
     assert runner.last_pause["exact"] and runner.last_pause["drain_s"] < 0.02   # it came in while "loading"
@@ -320,9 +351,10 @@ def test_keep_pause_then_resume_at_once_still_stamps_exactly(runner):
     t, box = in_thread(lambda: runner.generate(prompts, [sp(150)] * 5, lambda: v["v"]))
     time.sleep(0.08)
     runner.pause("keep")
-    kept = {r.rid: len(r.output_ids) for r in runner.engine.tokenizer_manager.sched.waiting}
+    kept = dict(runner._counts)
     v["v"] = 1
-    runner.resume()
+    runner.resume()                 # settles (the pending step, then the retraction) and drains
+    assert runner.last_pause["predicted"] and "settle_s" in runner.last_pause
     assert runner.last_pause["exact"] and runner.last_pause["drain_s"] > 0.005   # the backlog was waited for here
     t.join(20)
     rows = box["out"]
@@ -369,6 +401,8 @@ def test_abort_pause_returns_partial_tokens(runner):
     time.sleep(0.1)
     assert [list(sched_req(runner, p).output_ids) for p in prompts] == made
     assert b2["out"][0][1:] == ([], [], [], "abort", "")   # never reached the scheduler
+    tm = runner.engine.tokenizer_manager
+    assert tm.pause_modes == ["retract"] and tm.own_aborts == 0, "one abort_all, no AbortReq per request"
     assert runner.in_flight() == 0
     v["v"] = 1
     runner.resume()
@@ -410,51 +444,3 @@ def test_many_calls_from_threads_run_concurrently(runner):
 def test_bad_pause_mode(runner):
     with pytest.raises(EngineError, match="pause mode"):
         runner.pause("sleep")
-
-
-# ---------------------------------------------------------------- the census hook (scheduler side)
-
-class FakeTree:
-    def __init__(self, evictable, protected=0):
-        self._e, self._p = evictable, protected
-
-    def evictable_size(self):
-        return self._e
-
-    def protected_size(self):
-        return self._p
-
-    def evict(self, params):
-        self._e -= min(self._e, params.num_tokens)
-
-
-class FakeSchedulerObj:
-    def __init__(self, tree):
-        self.waiting_queue = [types.SimpleNamespace(rid="a", output_ids=[1, 2, 3], finished=lambda: False),
-                              types.SimpleNamespace(rid="b", output_ids=[], finished=lambda: False)]
-        self.running_batch = types.SimpleNamespace(reqs=[])
-        self.chunked_req = None
-        self.tree_cache = tree
-        self.tp_rank = 0
-        self._engine_paused = True
-
-    def process_input_requests(self, names):
-        _weight_updater(names)        # the handler runs a few frames below the scheduler
-
-
-def _weight_updater(names):
-    rlhf_sglang_census(None, [(n, None) for n in names])
-
-
-def test_census_hook_reads_the_scheduler_and_evicts(tmp_path):
-    import json
-    tree = FakeTree(evictable=96)
-    FakeSchedulerObj(tree).process_input_requests(
-        ["rlhf_orch.census:" + json.dumps({"dir": str(tmp_path), "seq": 4, "evict": True})])
-    rec = json.loads((tmp_path / "census0.json").read_text())
-    assert rec["census"] == {"a": 3, "b": 0} and rec["seq"] == 4 and rec["paused"]
-    assert rec["evictable_before"] == 96 and rec["evictable_after"] == 0 and rec["protected"] == 0
-    with pytest.raises(RuntimeError, match="only takes a census"):
-        rlhf_sglang_census(None, [("model.embed_tokens.weight", None)])
-    with pytest.raises(RuntimeError, match="no SGLang Scheduler"):
-        rlhf_sglang_census(None, [("rlhf_orch.census:" + json.dumps({"dir": str(tmp_path), "seq": 5}), None)])
