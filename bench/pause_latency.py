@@ -23,8 +23,9 @@ our coroutine runs on the runner's event loop), the engine core's pause, and the
 engine when it returned.
 `resume_s` includes the drain. Our engines (SGLang, hf) are measured as a sync drives them: pause, `finish_sync`
 (`finish_s`: no weights are loaded here; SGLang retracts a "keep" pause's requests there, or flushes its cache after an
-abort), resume. SGLang's keep pauses run two variants of that retraction, interleaved: "bulk" (engines/sglang_sched.py)
-and "sglang" (SGLang's own retract).
+abort), resume. SGLang's keep pauses run three variants, interleaved: in place with the retraction after the load in
+bulk (engines/sglang_sched.py) or by SGLang's own retract, and "retract-pause" (SGLang's retract inside the pause, as
+before the sixteenth session).
 Prints a markdown table (median and max) and writes it to --out. `--sample-stacks` (vLLM): during each abort pause a
 thread samples every other thread's innermost frames every 2 ms (sys._current_frames; it needs the GIL too, so a
 long gap between samples is a C call that held it) from the pause's call until the aborted generate call has
@@ -230,6 +231,9 @@ class Engine:
 # pause waited for, counts read); in finish_sync, the retraction's round trip and its time in the scheduler; in
 # resume, the wait for every token generated before the pause to reach our streams through the detokenizer
 SGLANG_PARTS = ("census_s", "settle_s", "retract_hook_s", "drain_s")
+# keep variants: (StreamingSGLangEngine.keep_pause, .retract). "retract-pause": the pause before the sixteenth session
+# (SGLang retracts inside the pause; finish_sync's SGLang retract finds nothing left and evicts the tree, as before)
+SGLANG_KEEP = {"bulk": ("in_place", "bulk"), "sglang": ("in_place", "sglang"), "retract-pause": ("retract", "sglang")}
 
 
 class Sglang(Engine):
@@ -244,8 +248,8 @@ class Sglang(Engine):
         self.engine.weight_version = 0
 
     def start(self, n: int, args, variant: str):
-        if variant in ("bulk", "sglang"):   # how a keep pause's requests are retracted (StreamingSGLangEngine.retract)
-            self.engine.retract = variant
+        if variant in SGLANG_KEEP:   # SGLang's pause for keep, and how its requests are retracted after the load
+            self.engine.keep_pause, self.engine.retract = SGLANG_KEEP[variant]
         return super().start(n, args, variant)
 
     def close(self):
@@ -265,7 +269,7 @@ class Hf(Engine):
 
 def measure(eng, args) -> list[dict]:
     rows = _Rows()
-    variants = {"vllm": ["end", "flat", "detok"], "sglang": ["bulk", "sglang"]}.get(args.engine, ["-"])
+    variants = {"vllm": ["end", "flat", "detok"], "sglang": list(SGLANG_KEEP)}.get(args.engine, ["-"])
     # FINAL_ONLY requests refuse a keep pause: abort rounds only; SGLang's retraction variants are keep's alone
     abort_variants = variants + ["final"] if args.engine == "vllm" else ["-"]
     for j, n in enumerate(args.running):

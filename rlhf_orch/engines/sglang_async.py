@@ -117,6 +117,7 @@ class AsyncSGLangRunner:
         what requests made since (first SGLang run of bench/pause_latency.py: 27 full collections of ~430 ms)."""
         self.census = census
         self.drain_timeout_s = drain_timeout_s
+        self.keep_mode = "in_place"   # SGLang's pause for "keep"; "retract": before the sixteenth session (measured)
         self.paused_mode: str | None = None
         self.last_pause: dict = {}
         self._counts: dict[str, int] | None = None   # a "keep" pause's census, drained in resume()
@@ -285,7 +286,7 @@ class AsyncSGLangRunner:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
         # keep: in_place (O(1)); the retraction runs after the load (settle). abort: retract, so the step launched
         # before the pause is processed (and the GPU idle) before the weight load, which queues behind it
-        await self.tm.pause_generation(PauseGenerationReqInput(mode="in_place" if mode == "keep" else "retract"))
+        await self.tm.pause_generation(PauseGenerationReqInput(mode=self.keep_mode if mode == "keep" else "retract"))
         # The pause message is queued for the scheduler; no request is sent after it without is_pause being
         # checked first. Which requests were sent before? (no await from here to the census: consistent)
         for r in self._reqs.values():
@@ -415,8 +416,11 @@ class StreamingSGLangEngine(SGLangEngine):
     weight_loaders = (HOOK, CENSUS)
     # How a "keep" pause's requests are retracted after the load: "bulk" (engines/sglang_sched.py: one pass, where the
     # scheduler's configuration is the plain one; SGLang's own retract elsewhere) or "sglang" (always SGLang's own).
-    # Not a user setting: bench/pause_latency.py measures both.
+    # keep_pause: SGLang's pause mode for "keep"; "retract" is the pause before the sixteenth session (the requests
+    # retracted inside the pause; the retraction in finish_sync then finds nothing to do). Not user settings:
+    # bench/pause_latency.py measures them against each other.
     retract = "bulk"
+    keep_pause = "in_place"
 
     def _start_engine(self, **kw):
         from sglang.srt.entrypoints.engine import Engine   # sets SGLang's event-loop policy before our loop exists
@@ -460,6 +464,7 @@ class StreamingSGLangEngine(SGLangEngine):
     def pause(self, mode: str = "wait") -> None:
         if mode not in PAUSE_MODES:
             raise EngineError(f"engine {self.name}: unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
+        self.runner.keep_mode = self.keep_pause
         self.runner.pause(mode)
         # its parts in seconds (census, drain); the runner's counts ("kept", "aborted") and "exact" flag stay in its
         # own record

@@ -344,13 +344,17 @@ def test_keep_pause_stamps_exactly_despite_tokens_in_flight(runner):
     assert all(0 < r[3].index(1) < 120 for r in rows)
 
 
-def test_keep_pause_then_resume_at_once_still_stamps_exactly(runner):
-    """No load between: resume itself waits for the tokens generated before the pause, then switches versions."""
+@pytest.mark.parametrize("keep_mode", ["in_place", "retract"])
+def test_keep_pause_then_resume_at_once_still_stamps_exactly(runner, keep_mode):
+    """No load between: resume itself settles and waits for the tokens generated before the pause, then switches
+    versions; the same with SGLang's retract pause (StreamingSGLangEngine.keep_pause, the pause before this round)."""
     v = {"v": 0}
     prompts = [[6, i] for i in range(5)]
     t, box = in_thread(lambda: runner.generate(prompts, [sp(150)] * 5, lambda: v["v"]))
     time.sleep(0.08)
+    runner.keep_mode = keep_mode
     runner.pause("keep")
+    assert runner.engine.tokenizer_manager.pause_modes == [keep_mode]
     kept = dict(runner._counts)
     v["v"] = 1
     runner.resume()                 # settles (the pending step, then the retraction) and drains
