@@ -117,7 +117,6 @@ class AsyncSGLangRunner:
         what requests made since (first SGLang run of bench/pause_latency.py: 27 full collections of ~430 ms)."""
         self.census = census
         self.drain_timeout_s = drain_timeout_s
-        self.keep_mode = "in_place"   # SGLang's pause for "keep"; "retract": before the sixteenth session (measured)
         self.paused_mode: str | None = None
         self.last_pause: dict = {}
         self._counts: dict[str, int] | None = None   # a "keep" pause's census, drained in resume()
@@ -239,12 +238,13 @@ class AsyncSGLangRunner:
             r.text = out.get("text") or ""
 
     # ---- pause / resume --------------------------------------------------------------------------
-    def pause(self, mode: str) -> None:
+    def pause(self, mode: str, keep_mode: str = "in_place") -> None:
         """Returns once paused: "wait" when every request ended; "keep" once the scheduler is paused and has said
         how many tokens each request has (the tokens still on their way from the detokenizer are waited for in
         `resume`, after the weights loaded, before later tokens get the new version: the pause does not wait for
         that backlog, as the vLLM engine's does not); "abort" once every request ended (with the tokens that reached
-        it: the caller re-queues them)."""
+        it: the caller re-queues them). `keep_mode`: SGLang's pause for "keep" ("retract": the pause before the
+        sixteenth session, StreamingSGLangEngine.keep_pause)."""
         if mode not in PAUSE_MODES:
             raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         if self.paused_mode is not None:
@@ -254,7 +254,7 @@ class AsyncSGLangRunner:
         collecting = gc.isenabled()
         gc.disable()   # no collection stops the loop thread inside a pause (5-12 ms median there, bench/RESULTS.md)
         try:
-            self._pause(mode, stats)
+            self._pause(mode, keep_mode, stats)
         finally:
             if collecting:
                 gc.enable()
@@ -262,8 +262,8 @@ class AsyncSGLangRunner:
         self.last_pause = stats
         logger.debug("paused: %s", stats)
 
-    def _pause(self, mode: str, stats: dict) -> None:
-        self._call(self._close(mode))
+    def _pause(self, mode: str, keep_mode: str, stats: dict) -> None:
+        self._call(self._close(mode, keep_mode))
         if mode == "wait":
             self._call(self._until(lambda: not self._reqs, None))
         elif mode == "keep":
@@ -278,7 +278,7 @@ class AsyncSGLangRunner:
             # the abort before any later message (one FIFO socket), so no request decodes on the new weights.
             stats["aborted"] = self._call(self._abort_all())
 
-    async def _close(self, mode: str) -> None:
+    async def _close(self, mode: str, keep_mode: str) -> None:
         self._open.clear()
         self.paused_mode = mode
         if mode == "wait":
@@ -286,7 +286,7 @@ class AsyncSGLangRunner:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
         # keep: in_place (O(1)); the retraction runs after the load (settle). abort: retract, so the step launched
         # before the pause is processed (and the GPU idle) before the weight load, which queues behind it
-        await self.tm.pause_generation(PauseGenerationReqInput(mode=self.keep_mode if mode == "keep" else "retract"))
+        await self.tm.pause_generation(PauseGenerationReqInput(mode=keep_mode if mode == "keep" else "retract"))
         # The pause message is queued for the scheduler; no request is sent after it without is_pause being
         # checked first. Which requests were sent before? (no await from here to the census: consistent)
         for r in self._reqs.values():
@@ -464,8 +464,7 @@ class StreamingSGLangEngine(SGLangEngine):
     def pause(self, mode: str = "wait") -> None:
         if mode not in PAUSE_MODES:
             raise EngineError(f"engine {self.name}: unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
-        self.runner.keep_mode = self.keep_pause
-        self.runner.pause(mode)
+        self.runner.pause(mode, self.keep_pause)
         # its parts in seconds (census, drain); the runner's counts ("kept", "aborted") and "exact" flag stay in its
         # own record
         self.last_pause = {k: float(v) for k, v in self.runner.last_pause.items() if k.endswith("_s") and k != "pause_s"}

@@ -152,16 +152,11 @@ def bulk_refusal(sched) -> str:
         (getattr(sched, "hisparse_coordinator", None) is None, "a sparse cache"),
         (getattr(sched, "dllm_config", None) is None, "a diffusion LM"),
         (int(getattr(getattr(sched, "server_args", None), "pp_size", 1) or 1) == 1, "pipeline parallelism"),
-        (not any(getattr(r, "grammar", None) is not None for r in _all_reqs(sched)), "a request with a grammar"),
+        (not any(getattr(r, "grammar", None) is not None for r in held(sched, pending(sched)).values()),
+         "a request with a grammar"),
         (all(r.req_pool_idx is None for r in sched.waiting_queue), "a queued request holds KV"),
     )
     return next((why for ok, why in checks if not ok), "")
-
-
-def _all_reqs(sched) -> list:
-    lb = sched.last_batch
-    out = list(sched.waiting_queue) + list(sched.running_batch.reqs) + (list(lb.reqs) if lb is not None else [])
-    return out + ([sched.chunked_req] if getattr(sched, "chunked_req", None) is not None else [])
 
 
 def retract(sched, bulk: bool) -> dict:
@@ -170,10 +165,11 @@ def retract(sched, bulk: bool) -> dict:
     if why:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-        n = len(held(sched, pending(sched)))
+        queued = len(sched.waiting_queue)
         sched.pause_generation(PauseGenerationReqInput(mode="retract"))   # SGLang's own: settle, release, re-queue
         tc = sched.tree_cache
-        rec = {"how": "sglang", "why": why, "retracted": n, "evictable_before": int(tc.evictable_size())}
+        rec = {"how": "sglang", "why": why, "retracted": len(sched.waiting_queue) - queued,
+               "evictable_before": int(tc.evictable_size())}
         if not sched.running_batch.reqs and rec["evictable_before"] > 0:
             tc.evict(EvictParams(num_tokens=rec["evictable_before"]))    # the prompts' old-weight KV, unlocked now
         return {**rec, "evictable_after": int(tc.evictable_size()), "protected": int(tc.protected_size())}

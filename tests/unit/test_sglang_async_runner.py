@@ -352,8 +352,7 @@ def test_keep_pause_then_resume_at_once_still_stamps_exactly(runner, keep_mode):
     prompts = [[6, i] for i in range(5)]
     t, box = in_thread(lambda: runner.generate(prompts, [sp(150)] * 5, lambda: v["v"]))
     time.sleep(0.08)
-    runner.keep_mode = keep_mode
-    runner.pause("keep")
+    runner.pause("keep", keep_mode)
     assert runner.engine.tokenizer_manager.pause_modes == [keep_mode]
     kept = dict(runner._counts)
     v["v"] = 1

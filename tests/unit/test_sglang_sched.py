@@ -200,6 +200,7 @@ def test_retract_falls_back_to_sglang_where_bulk_does_not_apply(tmp_path):
     predicted = call(sched, tmp_path, "count")["census"]
     rec = call(sched, tmp_path, "retract", seq=2)
     assert rec["how"] == "sglang" and rec["why"] == "a request with a grammar" and sched.sglang_pauses == ["retract"]
+    assert rec["retracted"] == 2, "a and b; f ended in the pending step, c was queued already"
     assert rec["census"] == {rid: n for rid, n in predicted.items() if rid != "f"}
     assert sched.tree_cache.evicted == 40 and rec["evictable_after"] == 0
     a.grammar = None
