@@ -1,10 +1,18 @@
-"""Checkpoint and exact resume: a run stopped after step 2 and resumed to step 4 matches an uninterrupted
-4-step run to 1e-6 in every loss and reward (same next batch, same samples, same optimizer state, same
-KL reference). Real Ray actors, two DeepSpeed ZeRO-2 ranks, both sync transports. The uninterrupted run is made
-once and shared: the tests that change a run folder work on a copy of it."""
+"""Checkpoint and exact resume: a run stopped after step 2 and resumed to step 4 on an empty node (its folder
+mirrored to storage by URI) matches an uninterrupted 4-step run to 1e-6 in every loss and reward (same next batch,
+same samples, same optimizer state, same KL reference). Real Ray actors, two DeepSpeed ZeRO-2 ranks, both sync
+transports. The storage is a real S3-compatible server on 127.0.0.1 (moto's server mode, `pip install
+"moto[server]>=5.2.5"`, pyarrow's S3 filesystem) when moto is installed, a file:// folder otherwise. The
+uninterrupted run is made once and shared: the tests that change a run folder work on a copy of it. A resume
+without a checkpoint starts fresh, a corrupt latest checkpoint falls back to the previous one, and a storage URI
+that cannot be written is refused before Ray starts."""
 import json
+import os
 import shutil
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,23 +49,6 @@ def _copy(full, tmp_path) -> Path:
     return tmp_path
 
 
-def test_interrupted_and_resumed_run_matches_uninterrupted(tmp_path, full):
-    full = full[1]
-    first = _run(tmp_path, "split", 2)
-    ckpt = tmp_path / "split" / "checkpoints"
-    assert (ckpt / "latest").read_text().strip() == "step2"
-    assert (ckpt / "step2" / "hf" / "model.safetensors").exists() and (ckpt / "reference.pt").exists()
-    resumed = _run(tmp_path, "split", 4, "resume=true")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    assert resumed[:2] == first
-    keys = ["train/loss", "train/kl", "train/grad_norm", "rollout/reward_mean", "rollout/tokens", "sync/digest"]
-    for a, b in zip(full, resumed):
-        for k in keys:
-            assert abs(a[k] - b[k]) <= 1e-6, (a["step"], k, a[k], b[k])
-    summary = json.loads((tmp_path / "split" / "summary.json").read_text())
-    assert summary["resumed_from"] == 2
-
-
 def test_resume_without_checkpoint_starts_fresh(tmp_path, full):
     # the shared run asked to resume in an empty folder: a fresh start
     assert [r["step"] for r in full[1]] == [1, 2, 3, 4]
@@ -85,34 +76,82 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, full
     assert "sha256 mismatch" in note and victim.name in note and "using step2" in note
 
 
-def test_checkpoints_round_trip_through_a_storage_uri_onto_an_empty_node(tmp_path, full, monkeypatch):
-    """experiment.output_dir as a URI (file:// through pyarrow.fs, as s3:// or gs:// would be): the run writes into a
-    local mirror and uploads each committed checkpoint and its records. A resume from a machine whose local folder is
-    empty (another node) downloads the checkpoint `latest` names, verifies it against the uploaded manifest and
-    continues exactly: steps 3-4 equal the uninterrupted run's to 1e-6."""
-    uri = f"file://{tmp_path}/bucket/runs"
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory):
+    """Where the storage test's runs go: a bucket `rlhf` on moto's S3 server on a free port of 127.0.0.1 (the
+    AWS_* variables set in the driver, which uploads and downloads on one node) when moto is installed, else a
+    file:// folder (pyarrow's local filesystem: the code path of s3:// and gs://)."""
+    try:
+        import moto.server  # noqa: F401
+    except ImportError:
+        yield f"file://{tmp_path_factory.mktemp('bucket')}/runs"
+        return
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    from pyarrow import fs
+    fs.S3FileSystem(endpoint_override=f"http://127.0.0.1:{port}", allow_bucket_creation=True).create_dir("rlhf")
+    yield "s3://rlhf/runs"
+    server.kill()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def test_checkpoints_round_trip_through_a_storage_uri_onto_an_empty_node(tmp_path, full, storage, monkeypatch):
+    """experiment.output_dir as a URI (s3:// on moto's server, or file://): the run writes into a local mirror and
+    uploads each committed checkpoint (its HF export and the KL reference included) and its records. Stopped after
+    step 2, it is resumed to step 4 from a machine whose local folder is empty (another node): the resume downloads
+    the checkpoint `latest` names, verifies it against the uploaded manifest and continues exactly: steps 1-2 as
+    recorded before the stop, steps 1-4 equal to the uninterrupted run's to 1e-6."""
+    uri = storage
     monkeypatch.setenv("RLHF_ORCH_LOCAL_RUNS", str(tmp_path / "node1"))
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={uri}",
                       "experiment.name=remote", "experiment.steps=2", *COMMON])
     assert rc == 0
-    remote = tmp_path / "bucket" / "runs" / "remote"
-    assert (remote / "checkpoints" / "latest").read_text().strip() == "step2"
-    assert (remote / "checkpoints" / "reference.pt").exists() and (remote / "metrics.jsonl").exists()
-    assert json.loads((remote / "summary.json").read_text())["status"] == "finished"
+    store = Store(f"{uri}/remote")
+    assert store.read("checkpoints/latest") == b"step2\n" and store.read("checkpoints/reference.pt") is not None
+    assert store.read("checkpoints/step2/hf/model.safetensors") is not None and store.read("metrics.jsonl") is not None
+    assert json.loads(store.read("summary.json"))["status"] == "finished"
+    [local1] = [p for p in (tmp_path / "node1").iterdir()]   # the mirror folder named after the URI
+    ckpt = local1 / "remote" / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step2"
+    assert (ckpt / "step2" / "hf" / "model.safetensors").exists() and (ckpt / "reference.pt").exists()
+    first = [json.loads(l) for l in (local1 / "remote" / "metrics.jsonl").read_text().splitlines()]
     monkeypatch.setenv("RLHF_ORCH_LOCAL_RUNS", str(tmp_path / "node2"))   # another node: nothing local
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={uri}",
                       "experiment.name=remote", "experiment.steps=4", "resume=true", *COMMON])
     assert rc == 0
-    [local] = [p for p in (tmp_path / "node2").iterdir()]   # the mirror folder named after the URI
+    [local] = [p for p in (tmp_path / "node2").iterdir()]
     resumed = [json.loads(l) for l in (local / "remote" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert resumed[:2] == first
+    keys = ["train/loss", "train/kl", "train/grad_norm", "rollout/reward_mean", "rollout/tokens", "sync/digest"]
     for a, b in zip(full[1], resumed):
-        for k in ["train/loss", "train/kl", "train/grad_norm", "rollout/reward_mean", "sync/digest"]:
+        for k in keys:
             assert abs(a[k] - b[k]) <= 1e-6, (a["step"], k, a[k], b[k])
-    assert json.loads((remote / "summary.json").read_text())["resumed_from"] == 2
-    assert (remote / "checkpoints" / "latest").read_text().strip() == "step4"
+    records = [json.loads(line) for line in store.read("metrics.jsonl").decode().splitlines()]   # the uploaded ones
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and all(r["sync/checksum_ok"] == 1.0 for r in records)
+    summary = json.loads(store.read("summary.json"))
+    assert summary["resumed_from"] == 2 and summary["status"] == "finished"
+    assert store.read("checkpoints/latest") == b"step4\n"
     # What is in storage verifies on its own: downloaded to a third folder, every file matches the manifest.
-    store = Store(f"{uri}/remote")
     store.get_tree("checkpoints/step4", tmp_path / "node3" / "checkpoints" / "step4")
     (tmp_path / "node3" / "checkpoints" / "latest").write_text("step4\n")
     assert find_good(tmp_path / "node3" / "checkpoints") == ("step4", [])
