@@ -1,8 +1,10 @@
 """PPO with a critic end to end on CPU (real Ray actors, two DeepSpeed ranks each holding a policy and a critic):
 the critic learns (explained variance rises), the policy learns (reward rises), and a run resumed from a
-checkpoint (policy, critic and optimizer states) continues exactly as the uninterrupted one."""
+checkpoint (policy, critic and optimizer states) continues exactly as the uninterrupted one. The 16-step run is made
+once and shared: the resume works on a copy of its folder."""
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,8 +26,16 @@ def _run(tmp_path, name, steps, *extra):
     return [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_ppo_critic_learns_and_resumes_exactly(tmp_path):
-    full = _run(tmp_path, "full", 16)
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """One uninterrupted 16-step run with checkpoints at steps 8 and 16, read by the tests below (a test that
+    changes its folder works on a copy)."""
+    out = tmp_path_factory.mktemp("ppo_full")
+    return out, _run(out, "full", 16, "trainer.checkpoint_every=8")
+
+
+def test_ppo_critic_learns_and_resumes_exactly(tmp_path, full):
+    out, full = full
     ev = [r["critic/explained_var"] for r in full]
     reward = [r["rollout/reward_mean"] for r in full]
     assert all(math.isfinite(v) for v in ev)
@@ -35,10 +45,16 @@ def test_ppo_critic_learns_and_resumes_exactly(tmp_path):
     assert all(r["sync/checksum_ok"] == 1.0 for r in full)
     assert {"critic/vf_loss", "critic/vf_clipfrac", "ppo/adv_raw_std", "train/clip_frac", "train/kl"} <= set(full[-1])
 
-    # Interrupted at step 8 (its final checkpoint), then resumed to 16: the same numbers as the run above.
-    _run(tmp_path, "cut", 8)
-    resumed = _run(tmp_path, "cut", 16, "resume=true")
+    # A crash after step 8: a copy of the run's folder with the step-16 checkpoint gone and `latest` on step 8,
+    # resumed to 16 (the records after step 8 are dropped): the same numbers as the run above.
+    shutil.copytree(out / "full", tmp_path / "full")
+    ckpt = tmp_path / "full" / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step16" and (ckpt / "step8").is_dir()
+    shutil.rmtree(ckpt / "step16")
+    (ckpt / "latest").write_text("step8\n")
+    resumed = _run(tmp_path, "full", 16, "trainer.checkpoint_every=8", "resume=true")
     assert [r["step"] for r in resumed] == list(range(1, 17))
+    assert json.loads((tmp_path / "full" / "summary.json").read_text())["resumed_from"] == 8
     for want, got in zip(full[8:], resumed[8:]):
         for key in ("rollout/reward_mean", "train/loss", "critic/vf_loss", "critic/explained_var", "train/kl"):
             assert abs(got[key] - want[key]) <= 1e-6, (got["step"], key, got[key], want[key])
