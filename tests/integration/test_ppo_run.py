@@ -1,7 +1,16 @@
 """PPO with a critic end to end on CPU (real Ray actors, two DeepSpeed ranks each holding a policy and a critic):
 the critic learns (explained variance rises), the policy learns (reward rises), and a run resumed from a
 checkpoint (policy, critic and optimizer states) continues exactly as the uninterrupted one. The 16-step run is made
-once and shared: the resume works on a copy of its folder."""
+once and shared: the resume works on a copy of its folder.
+
+Dense rewards (two hf engines): per-token values travel from the reward workers through the rollout manager into the
+trainer's returns.
+- A dense function that puts the whole reward on the last token must train exactly as the scalar function (every
+  step's rewards, losses, critic figures and sync digests to 1e-6; the scalar run is the shared 16-step run's first
+  3 steps): the dense path adds nothing of its own.
+- One that puts half on the first token and half on the last has the same sum (so the same step-1 rewards and the
+  same samples) but different returns: the critic's targets change, so the values did reach the trainer.
+"""
 import json
 import math
 import shutil
@@ -17,12 +26,15 @@ import launch  # noqa: E402
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
 # A reward the critic can predict once the first response token is out (tests/ppo_rewards.py).
-COMMON = ["reward.function=tests.ppo_rewards:starts_with_odd_digit", *QUIET]
+SCALAR = "starts_with_odd_digit"
+DENSE_KEYS = ("rollout/reward_mean", "train/loss", "critic/vf_loss", "critic/returns_mean", "critic/explained_var",
+              "ppo/adv_raw_mean", "train/kl")
 
 
-def _run(tmp_path, name, steps, *extra):
+def _run(tmp_path, name, steps, *extra, fn=SCALAR):
     assert launch.main(["--config", str(ROOT / "configs/tiny_cpu_ppo.yaml"), f"experiment.output_dir={tmp_path}",
-                        f"experiment.name={name}", f"experiment.steps={steps}", *COMMON, *extra]) == 0
+                        f"experiment.name={name}", f"experiment.steps={steps}", f"reward.function=tests.ppo_rewards:{fn}",
+                        *QUIET, *extra]) == 0
     return [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -73,3 +85,18 @@ def test_ppo_with_kl_in_reward_and_an_adaptive_controller(tmp_path):
     assert all(math.isfinite(r["kl_ctrl/kl"]) and r["kl_ctrl/kl"] >= 0 for r in recs)
     assert recs[-1]["kl_ctrl/kl"] > 0 and "train/kl" not in recs[-1]   # KL only in the reward here
     assert all(math.isfinite(r["critic/explained_var"]) and r["train/micro_batches"] > 1 for r in recs)
+
+
+def test_dense_rewards_reach_the_critic_and_the_last_token_case_is_the_outcome_run(tmp_path, full):
+    scalar = full[1][:3]   # the scalar function's run: the shared one (same config and overrides), its first 3 steps
+    last = _run(tmp_path, "last", 3, fn="starts_with_odd_digit_on_last_token")
+    split = _run(tmp_path, "split", 1, fn="starts_with_odd_digit_split")
+    assert 0 < scalar[0]["rollout/reward_mean"] < 1, "every sample scored the same: this test would prove nothing"
+    assert [r["step"] for r in last] == [r["step"] for r in scalar] == [1, 2, 3]
+    for want, got in zip(scalar, last):
+        for key in DENSE_KEYS:
+            assert abs(got[key] - want[key]) <= 1e-6, (got["step"], key, got[key], want[key])
+        assert got["sync/digest"] == want["sync/digest"]
+    # the same sum per sample: the same rewards; half of each reward comes before the last token: lower returns
+    assert split[0]["rollout/reward_mean"] == scalar[0]["rollout/reward_mean"]
+    assert split[0]["critic/returns_mean"] < scalar[0]["critic/returns_mean"] - 1e-3, (split[0], scalar[0])

@@ -1,6 +1,6 @@
 """Dense rewards (one value per response token): the function's contract and its errors, how the scorer weighs a
 dense function with a reward model, where the values land in the train batch, what outcome and token-level
-algorithms make of them, and the checks before launch. No Ray (the PPO runs are in tests/integration/test_dense_run.py)."""
+algorithms make of them, and the checks before launch. No Ray (the PPO runs are in tests/integration/test_ppo_run.py)."""
 from types import SimpleNamespace
 
 import numpy as np
