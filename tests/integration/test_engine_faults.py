@@ -57,7 +57,8 @@ def _fault_at(run_dir: Path, step: int, sig: int, actor_suffix: str, out: dict) 
             if pid and metrics.exists() and len(metrics.read_text().splitlines()) >= step:
                 break
             time.sleep(0.05)
-        out.update(pid=pid, t=time.time(), at_step=len(metrics.read_text().splitlines()))
+        lines = metrics.read_text().splitlines()
+        out.update(pid=pid, t=time.time(), at_step=len(lines), lines=lines)   # the records before the kill
         os.kill(pid, sig)
 
     t = threading.Thread(target=go, daemon=True)
