@@ -47,15 +47,40 @@ def _all_shared(items) -> bool:
     return all("shared_ray" in item.fixturenames for item in items)
 
 
-@pytest.fixture(scope="module")
-def shared_ray(request):
+def _start_shared_ray(config) -> None:
     if not ray.is_initialized():
         init_ray(SimpleNamespace(ray=SimpleNamespace(address=None, num_cpus=2)), shared=True)   # what `ray.num_cpus=2` runs start
-        request.config.shared_ray_up = True
+        config.shared_ray_up = True
+
+
+@pytest.fixture(scope="module")
+def shared_ray(request):
+    _start_shared_ray(request.config)
     yield
     module_items = [i for i in request.session.items if i.module is request.module]
     if not _all_shared(module_items) or getattr(request.module, "KILLS_PROCESSES", False):
         request.config.stop_shared_ray()   # the next module starts from a fresh Ray
+
+
+@pytest.fixture(scope="session")
+def baseline_run(request, tmp_path_factory):
+    """(run folder, records) of configs/tiny_cpu.yaml for 20 steps: the recorded 20-step baseline's own command
+    (tests/baselines.py) plus a checkpoint every 5 steps, all kept (numerically neutral; rl_state.pt of step 5 holds
+    the engines' sampling RNGs as step 5 left them, as a 5-step run's final checkpoint does). Made once, on the
+    shared Ray, by the first test that asks: test_async_rollouts checks it against the recording, test_eval_run
+    compares its first 5 steps with a run that evaluates. Only for modules that take `shared_ray` (a session fixture
+    is set up before the module's, so it starts the shared Ray itself)."""
+    import json
+    import launch   # the driver's imports: only where a test asks for this run
+    _start_shared_ray(request.config)
+    out = tmp_path_factory.mktemp("baseline_run")
+    root = Path(__file__).resolve().parents[2]
+    assert launch.main(["--config", str(root / "configs/tiny_cpu.yaml"), f"experiment.output_dir={out}",
+                        "experiment.name=sync20", "experiment.steps=20", "ray.num_cpus=2", "metrics.trackers=[jsonl]",
+                        "metrics.ray_metrics=false", "metrics.plots=false", "trainer.checkpoint_every=5",
+                        "trainer.keep_checkpoints=0"]) == 0
+    run = out / "sync20"
+    return run, [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def pytest_collection_modifyitems(config, items):

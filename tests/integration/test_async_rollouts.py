@@ -35,9 +35,9 @@ def _trained(run):
     return [tuple(src) for line in (run / "rollouts.jsonl").read_text().splitlines() for src in json.loads(line)["sources"]]
 
 
-def test_staleness_zero_reproduces_the_synchronous_loop(tmp_path):
+def test_staleness_zero_reproduces_the_synchronous_loop(baseline_run):
     base = baseline("tiny_cpu_20steps")
-    run, records = _run(tmp_path, "sync20", "experiment.steps=20", "metrics.plots=false")
+    run, records = baseline_run   # the baseline's own command, 20 steps (integration/conftest.py; shared with test_eval_run)
     assert [r["step"] for r in records] == list(range(1, 21))
     for want, got in zip(base["steps"], records):
         for key in base["keys"]:

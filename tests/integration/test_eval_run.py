@@ -2,7 +2,9 @@
 engine, a reward worker):
 - configs/tiny_cpu.yaml with eval.every=2 evaluates after steps 2 and 4 and after the last (5), writes eval/ metrics
   to metrics.jsonl at those steps and the last evaluation to summary.json, and trains exactly as the same run with
-  evaluation off: same rewards, losses, sync digests, data order and engine sampling RNGs;
+  evaluation off (the first 5 steps of the session's 20-step baseline run, `baseline_run` in integration/conftest.py:
+  the same command but the step count, checkpoints and plots): same rewards, losses, sync digests, data order and
+  engine sampling RNGs after step 5;
 - configs/gsm8k_cpu.yaml evaluates greedily on its folder's test split, scored by the run's reward function.
 """
 import json
@@ -44,21 +46,20 @@ def _run(tmp_path, name, *extra, config="configs/tiny_cpu.yaml"):
 
 def _engine_rngs(run):
     import torch
-    return torch.load(run / "checkpoints" / "step5" / "rl_state.pt")
+    return torch.load(run / "checkpoints" / "step5" / "rl_state.pt")   # as step 5 left them (before its evaluation)
 
 
-def test_eval_every_two_steps_leaves_training_unchanged(tmp_path):
+def test_eval_every_two_steps_leaves_training_unchanged(tmp_path, baseline_run):
     import torch
-    common = ["experiment.steps=5"]
-    on, rec_on = _run(tmp_path, "eval_on", *common, "eval.every=2", "eval.n=4", "eval.max_prompts=12")
-    off, rec_off = _run(tmp_path, "eval_off", *common, "metrics.plots=false")
+    on, rec_on = _run(tmp_path, "eval_on", "experiment.steps=5", "eval.every=2", "eval.n=4", "eval.max_prompts=12")
+    off, rec_off = baseline_run[0], baseline_run[1][:5]   # the same run without evaluation: its first 5 steps
     assert [r["step"] for r in rec_on] == [r["step"] for r in rec_off] == [1, 2, 3, 4, 5]
     for a, b in zip(rec_on, rec_off):
         for key in TRAINING_KEYS:
             assert abs(a[key] - b[key]) <= 1e-6, (a["step"], key, a[key], b[key])
         assert not any(k.startswith("eval/") for k in b)
     # the same draws in the same order, and the engines' sampling RNGs where the run without evaluation left them
-    assert (on / "rollouts.jsonl").read_text() == (off / "rollouts.jsonl").read_text()
+    assert (on / "rollouts.jsonl").read_text() == "".join((off / "rollouts.jsonl").read_text().splitlines(True)[:5])
     rng_on, rng_off = _engine_rngs(on), _engine_rngs(off)
     assert sorted(rng_on) == sorted(rng_off) and len(rng_on) == 2
     assert all(torch.equal(rng_on[k], rng_off[k]) for k in rng_on)
