@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 import ray
@@ -24,25 +25,33 @@ logger = logging.getLogger(__name__)
 
 
 def setup_process(device: str = "cpu") -> None:
-    """Called first in every actor: logging, quiet libraries, and one thread per CPU actor."""
+    """Called first in every actor: logging, quiet libraries, and one thread per CPU actor.
+
+    It imports neither transformers nor torch: an actor whose module did not (the coordinator, the rollout manager,
+    a rule-based reward worker) would pay ~1-3 s of CPU at every start for them (#28 item 6). Where they are not
+    imported yet, the same settings go through the environment, which both read at their import."""
     logging.basicConfig(level=os.environ.get("RLHF_ORCH_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")   # transformers' default level, read at its import
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")   # transformers' progress bars follow the hub's
+    if "transformers" in sys.modules:   # imported before this call (the actor's own module): set it directly
         from transformers.utils import logging as hf_logging
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
     try:   # a DeepSpeed op build killed earlier on this node must not make this actor wait on its lock forever
         clear_stale_locks(extensions_dir())
     except Exception as e:   # best effort: psutil missing or the folder unreadable must not stop the actor
         logger.debug("stale build lock check skipped: %s", e)
     if device == "cpu":
-        import torch
-        # Several actors share few cores; one thread each avoids oversubscription stalls.
-        torch.set_num_threads(int(os.environ.get("RLHF_ORCH_THREADS", "1")))
+        # Several actors share few cores; one thread each avoids oversubscription stalls. torch reads
+        # OMP_NUM_THREADS for its intra-op pool at import, so an actor that imports it later gets the same.
+        threads = os.environ.get("RLHF_ORCH_THREADS", "1")
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(int(threads))
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
 
 
 def kill_descendants(pid: int | None = None) -> list[int]:

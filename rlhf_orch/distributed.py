@@ -40,8 +40,9 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: t
 
 def import_deepspeed():
     """`import deepspeed`, without MLflow: DeepSpeed's autotuner imports mlflow whenever it is installed
-    (deepspeed/autotuning/autotuner.py:31; our mlflow tracker extra installs it), 1.6 s of every rank's start on
-    2 CPU cores, for DeepSpeed's autotuning, which no role here runs. The driver's tracker imports mlflow itself."""
+    (deepspeed/autotuning/autotuner.py:31; our mlflow tracker extra installs it), ~2 s of every rank's start on
+    2 CPU cores, for DeepSpeed's autotuning, which no role here runs. The driver's tracker imports mlflow itself.
+    Every DeepSpeed role takes DeepSpeed through here (a plain `import deepspeed` first would bring mlflow in)."""
     if "deepspeed" in sys.modules or "mlflow" in sys.modules:
         import deepspeed
         return deepspeed

@@ -23,6 +23,7 @@ import os
 import torch
 
 from rlhf_orch.algorithms.losses import value_loss
+from rlhf_orch.distributed import import_deepspeed
 from rlhf_orch.errors import TrainerError
 from rlhf_orch.trainer import packing as pk
 from rlhf_orch.trainer.batch import trimmed
@@ -61,7 +62,7 @@ class DeepSpeedCritic(Forward, Offloadable):
                  lr: float, weight_decay: float = 0.0, grad_clip: float = 1.0, bf16: bool = False, seed: int = 0,
                  micro_batch_size: int = 0, cliprange_value: float = 0.5, gradient_checkpointing: bool = False,
                  max_tokens_per_micro_batch: int = 0, packing: bool = False, attn: str = "auto", vf_coef: float = 1.0):
-        import deepspeed
+        deepspeed = import_deepspeed()   # not `import deepspeed`: a critic group's first import leaves out mlflow
         self.rank, self.world_size, self.device = rank, world_size, device
         self.micro_batch_size, self.cliprange_value, self.vf_coef = micro_batch_size, cliprange_value, vf_coef
         self.budget, self.packing = max_tokens_per_micro_batch, packing

@@ -33,7 +33,7 @@ import torch
 
 from rlhf_orch.algorithms import aggregate_token_loss, masked_mean
 from rlhf_orch.algorithms.base import make_algorithm
-from rlhf_orch.distributed import init_rank
+from rlhf_orch.distributed import import_deepspeed, init_rank
 from rlhf_orch.errors import TrainerError
 from rlhf_orch.metrics.flops import ModelFlops, device_peak_flops
 from rlhf_orch.trainer import packing as pk
@@ -97,7 +97,7 @@ class DeepSpeedTrainer(Forward, Offloadable):
                  algorithm: dict | None = None, temperature: float = 1.0, ppo_epochs: int = 1, seed: int = 0,
                  micro_batch_size: int = 0, gradient_checkpointing: bool = False, max_tokens_per_micro_batch: int = 0,
                  packing: bool = False, attn: str = "auto", logprob_chunk_tokens: int = 0, peak_tflops: float = 0.0):
-        import deepspeed
+        deepspeed = import_deepspeed()   # here, not `import deepspeed`: the first import of DeepSpeed leaves out mlflow
         from transformers import AutoModelForCausalLM
 
         self.rank, self.world_size = rank, world_size
@@ -345,7 +345,7 @@ class DeepSpeedTrainer(Forward, Offloadable):
             for name, p in named:
                 yield name, p.data
             return
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         if groups is None:
             groups = [[n for n, _ in named]]
