@@ -2,8 +2,8 @@
 workers load the snapshot the policy wrote and compute the KL reference's logprobs of each shard, handed to the
 ranks as object references). The run must train exactly as the default (reference inside every policy rank): the
 first steps of the recorded baseline (tests/data/tiny_cpu_20steps_baseline.json, GRPO with kl_coef 0.02) to 1e-6,
-sync digests included. A resume reloads the saved snapshot into the group; a reference section without a KL
-term is refused before Ray starts."""
+sync digests included. A resume reloads the saved snapshot into the group. (A reference section without a KL term
+is refused before Ray starts: test_refused_before_ray.py.)"""
 import json
 import sys
 from pathlib import Path
@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 from baselines import baseline  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 QUIET = ["ray.num_cpus=2", "metrics.trackers=[jsonl]", "metrics.ray_metrics=false", "metrics.plots=false"]
 APART = ["reference.placement=separate", "reference.num_workers=2"]
 
@@ -26,17 +26,6 @@ def _run(tmp_path, name, steps, *extra):
     return [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_reference_section_without_kl_is_refused_before_ray(tmp_path, capsys):
-    import ray
-    rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
-                      "algorithm.kl_coef=0", *QUIET, *APART])
-    assert rc == 2 and not ray.is_initialized()
-    err = capsys.readouterr().err
-    assert "reference.num_workers: grpo as configured has no KL reference" in err, err
-
-
-
-@pytest.mark.usefixtures("shared_ray")   # two runs, one Ray (the test above must run before it: it needs none)
 def test_separate_reference_trains_as_the_colocated_one_and_resumes(tmp_path):
     base = baseline("tiny_cpu_20steps")
     _run(tmp_path, "apart", 2)

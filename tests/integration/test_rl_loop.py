@@ -1,6 +1,6 @@
-"""The RL loop's clear failures: an infeasible placement refused before Ray starts, and a reward function that
-raises, which leaves metrics, a checkpoint and plots. (The loop's steps through both transports, ZeRO-2 and ZeRO-3,
-are checked on test_colocation.py's plain runs.)"""
+"""The RL loop's clear failures: a reward function that raises, which leaves metrics, a checkpoint and plots. (An
+infeasible placement refused before Ray starts: test_refused_before_ray.py; the loop's steps through both transports,
+ZeRO-2 and ZeRO-3, are checked on test_colocation.py's plain runs.)"""
 import json
 import sys
 from pathlib import Path
@@ -11,25 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 
 
-# First: it checks that Ray is not running, and the shared Ray of the tests below stays up until the module ends.
-def test_infeasible_placement_is_a_clear_error_and_cleans_up(tmp_path, capsys):
-    import ray
-    # 8 trainer bundles + 1 dedicated engine (the colocated one shares a bundle) = 9 * 0.25 CPUs; the local
-    # Ray offers 1: Ray alone would wait forever.
-    rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "experiment.name=big", f"experiment.output_dir={tmp_path}",
-                      "trainer.num_ranks=8", "ray.num_cpus=1", "ray.get_timeout_s=5", "metrics.ray_metrics=false"])
-    assert rc == 2      # a bad input, as every config error
-    err = capsys.readouterr().err
-    # caught before Ray starts (rlhf_orch/resources.py), with the field and the fixes
-    assert "trainer.num_ranks: the run needs 2.25 CPUs" in err and "raise ray.num_cpus" in err, err
-    assert not ray.is_initialized()
-
-
-
-@pytest.mark.usefixtures("shared_ray")
 def test_failure_leaves_metrics_checkpoint_and_plots(tmp_path, capsys):
     rc = launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "experiment.steps=5", "experiment.name=fail",
                       f"experiment.output_dir={tmp_path}", "trainer.warm_start_steps=0", "ray.num_cpus=2",
