@@ -25,7 +25,8 @@ engine when it returned.
 (`finish_s`: no weights are loaded here; SGLang retracts a "keep" pause's requests there, or flushes its cache after an
 abort), resume. SGLang's keep pauses run three variants, interleaved: in place with the retraction after the load in
 bulk (engines/sglang_sched.py) or by SGLang's own retract, and "retract-pause" (SGLang's retract inside the pause, as
-before the sixteenth session).
+before the sixteenth session); its abort pauses two: "drop" (in place, every request dropped by the scheduler in one
+pass) and "abort-retract" (SGLang's retract pause and abort_all, as before the seventeenth session).
 Prints a markdown table (median and max) and writes it to --out. `--sample-stacks` (vLLM): during each abort pause a
 thread samples every other thread's innermost frames every 2 ms (sys._current_frames; it needs the GIL too, so a
 long gap between samples is a C call that held it) from the pause's call until the aborted generate call has
@@ -230,10 +231,13 @@ class Engine:
 # AsyncSGLangRunner's split: the pause's census of the paused scheduler ("keep": the GPU step launched before the
 # pause waited for, counts read); in finish_sync, the retraction's round trip and its time in the scheduler; in
 # resume, the wait for every token generated before the pause to reach our streams through the detokenizer
-SGLANG_PARTS = ("census_s", "settle_s", "retract_hook_s", "drain_s")
+SGLANG_PARTS = ("census_s", "settle_s", "retract_hook_s", "drain_s", "drop_s", "drop_hook_s")
 # keep variants: (StreamingSGLangEngine.keep_pause, .retract). "retract-pause": the pause before the sixteenth session
 # (SGLang retracts inside the pause; finish_sync's SGLang retract finds nothing left and evicts the tree, as before)
 SGLANG_KEEP = {"bulk": ("in_place", "bulk"), "sglang": ("in_place", "sglang"), "retract-pause": ("retract", "sglang")}
+# abort variants: StreamingSGLangEngine.abort_pause. "drop": in place, the scheduler drops every request in one pass
+# (op "drop", the seventeenth session); "abort-retract": SGLang's retract pause and abort_request(abort_all), before
+SGLANG_ABORT = {"drop": "in_place", "abort-retract": "retract"}
 
 
 class Sglang(Engine):
@@ -250,6 +254,8 @@ class Sglang(Engine):
     def start(self, n: int, args, variant: str):
         if variant in SGLANG_KEEP:   # SGLang's pause for keep, and how its requests are retracted after the load
             self.engine.keep_pause, self.engine.retract = SGLANG_KEEP[variant]
+        if variant in SGLANG_ABORT:  # SGLang's pause for abort (the drop in bulk where it applies)
+            self.engine.abort_pause, self.engine.retract = SGLANG_ABORT[variant], "bulk"
         return super().start(n, args, variant)
 
     def close(self):
@@ -271,7 +277,7 @@ def measure(eng, args) -> list[dict]:
     rows = _Rows()
     variants = {"vllm": ["end", "flat", "detok"], "sglang": list(SGLANG_KEEP)}.get(args.engine, ["-"])
     # FINAL_ONLY requests refuse a keep pause: abort rounds only; SGLang's retraction variants are keep's alone
-    abort_variants = variants + ["final"] if args.engine == "vllm" else ["-"]
+    abort_variants = {"vllm": variants + ["final"], "sglang": list(SGLANG_ABORT)}.get(args.engine, ["-"])
     for j, n in enumerate(args.running):
         for v in (variants if j % 2 == 0 else variants[::-1]):   # keep: one running set per variant
             job = eng.start(n, args, v) if n else None

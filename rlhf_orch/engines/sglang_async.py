@@ -7,20 +7,17 @@ TokenizerManager runs on, is that loop; engine.py:302-306) and offers blocking, 
 - `pause(mode)` / `resume()` for the modes of engines/base.py: "wait" (running requests finish, new ones wait),
   "keep" (SGLang's `in_place` pause, O(1): requests stay where they are until the weights have loaded; then the
   scheduler retracts them, tokens kept, and drops the old-weight KV, so after `continue_generation` they re-prefill
-  prompt + tokens under the new weights), "abort" (SGLang's retract pause, then `abort_request(abort_all=True)`, and
-  our streams end at once with finish_reason "abort" and the tokens they have; the caller re-queues them whole, so
-  nothing more is waited for).
+  prompt + tokens under the new weights), "abort" (SGLang's `in_place` pause too, then our streams end at once with
+  finish_reason "abort" and the tokens they have, and the scheduler drops every request in one pass (op "drop",
+  after waiting for the step in flight); the caller re-queues them whole, so nothing more is waited for).
 Engine's own blocking methods (`update_weights_from_*`, `flush_cache`, ...) call `self.loop.run_until_complete`,
 which cannot drive a loop another thread runs; `Engine.loop` is replaced by `_OnLoop`, which runs them there.
 
-Why the retraction comes after the load (issue #27: a pause under 50 ms at 512 running requests). SGLang's retract
-pause releases each request's KV in turn (0.18 ms per request: 95 ms at 512 on an H200, bench/RESULTS.md), and our
-census was queued behind it. So a "keep" pause is now `in_place` plus a light census in the scheduler
-(engines/sglang_sched.py, op "count"): it waits for the GPU step launched before the pause, so no weight is written
-under a running forward, and counts every request's tokens including the one that step will add. After the load,
-`finish_sync` (or `resume`, when no load came) asks the scheduler to process that step and retract (op "retract":
-in bulk, with the pools reset at once, where the configuration is the plain one; SGLang's own retract otherwise).
-Continuing in place on old-weight KV is never done: later tokens would not be the new policy's.
+Why `in_place` (issue #27: pauses under 50 ms at 512 running requests): SGLang's retract pause releases each
+request's KV in turn (0.18 ms per request, bench/RESULTS.md). A "keep" pause takes a light census in the scheduler
+(engines/sglang_sched.py, op "count": it waits for the GPU step in flight, so no weight is written under a running
+forward); after the load, `finish_sync` (or `resume`) has it retract (op "retract"). Continuing in place on
+old-weight KV is never done: later tokens would not be the new policy's. An "abort" pause has it drop (op "drop").
 
 Exact version stamps. SGLang's pause is fire-and-forget (tokenizer_manager.py:1974-1993) and the tokens of the
 last steps reach the TokenizerManager through the detokenizer process, after the pause returned. So the pause
@@ -110,11 +107,10 @@ class AsyncSGLangRunner:
     def __init__(self, make_engine: Callable[[], Any], census: Callable[[str], list[dict]], *,
                  start_timeout_s: float = 1800.0, drain_timeout_s: float = 10.0, gc_freeze: bool = True):
         """`make_engine()` builds the engine (called on the loop thread); `census(op)` (called from the pausing
-        thread, after SGLang's pause) returns every TP rank's record of engines/sglang_sched.py's op ("count" or
-        "retract"), whose "census" is {rid: tokens} of the requests the paused scheduler holds.
-        `gc_freeze`: as AsyncVLLMRunner's: once the engine is up, the process's objects leave the cyclic
-        collector's reach, so a full collection (which stops the loop thread that runs every stream) walks only
-        what requests made since (first SGLang run of bench/pause_latency.py: 27 full collections of ~430 ms)."""
+        thread, after SGLang's pause) returns every TP rank's record of engines/sglang_sched.py's op ("count",
+        "retract" or "drop"), whose "census" is {rid: tokens} of the requests the paused scheduler holds.
+        `gc_freeze`: as AsyncVLLMRunner's: the objects made at start-up leave the cyclic collector's reach, so a
+        full collection (it stops the loop thread) walks only what requests made since (was ~430 ms each)."""
         self.census = census
         self.drain_timeout_s = drain_timeout_s
         self.paused_mode: str | None = None
@@ -238,13 +234,13 @@ class AsyncSGLangRunner:
             r.text = out.get("text") or ""
 
     # ---- pause / resume --------------------------------------------------------------------------
-    def pause(self, mode: str, keep_mode: str = "in_place") -> None:
+    def pause(self, mode: str, keep_mode: str = "in_place", abort_mode: str = "in_place") -> None:
         """Returns once paused: "wait" when every request ended; "keep" once the scheduler is paused and has said
         how many tokens each request has (the tokens still on their way from the detokenizer are waited for in
         `resume`, after the weights loaded, before later tokens get the new version: the pause does not wait for
         that backlog, as the vLLM engine's does not); "abort" once every request ended (with the tokens that reached
-        it: the caller re-queues them). `keep_mode`: SGLang's pause for "keep" ("retract": the pause before the
-        sixteenth session, StreamingSGLangEngine.keep_pause)."""
+        it: the caller re-queues them). `keep_mode`, `abort_mode`: SGLang's pause for "keep" and "abort" ("retract":
+        the pauses before the sixteenth and seventeenth sessions, StreamingSGLangEngine.keep_pause / abort_pause)."""
         if mode not in PAUSE_MODES:
             raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         if self.paused_mode is not None:
@@ -254,7 +250,7 @@ class AsyncSGLangRunner:
         collecting = gc.isenabled()
         gc.disable()   # no collection stops the loop thread inside a pause (5-12 ms median there, bench/RESULTS.md)
         try:
-            self._pause(mode, keep_mode, stats)
+            self._pause(mode, keep_mode, abort_mode, stats)
         finally:
             if collecting:
                 gc.enable()
@@ -262,8 +258,8 @@ class AsyncSGLangRunner:
         self.last_pause = stats
         logger.debug("paused: %s", stats)
 
-    def _pause(self, mode: str, keep_mode: str, stats: dict) -> None:
-        self._call(self._close(mode, keep_mode))
+    def _pause(self, mode: str, keep_mode: str, abort_mode: str, stats: dict) -> None:
+        self._call(self._close(mode, keep_mode if mode == "keep" else abort_mode))
         if mode == "wait":
             self._call(self._until(lambda: not self._reqs, None))
         elif mode == "keep":
@@ -272,21 +268,29 @@ class AsyncSGLangRunner:
             self._settled = False
             stats.update(census_s=time.perf_counter() - t1, kept=len(self._counts))
         else:
-            # An aborted request's group is re-queued whole (rollout/scheduler.py on_generated): its tokens are
-            # thrown away, so neither the census nor the detokenizer's backlog of its last tokens is waited for
-            # (they were 0.1 and 0.3 s of a 0.5 s abort at 512 running on an H200, bench/RESULTS.md). SGLang takes
-            # the abort before any later message (one FIFO socket), so no request decodes on the new weights.
-            stats["aborted"] = self._call(self._abort_all())
+            # An aborted request's group is re-queued whole (rollout/scheduler.py on_generated): neither its census
+            # nor the detokenizer's backlog of its last tokens is waited for. The scheduler takes the abort (or the
+            # drop) before any later message (one FIFO socket), so no request decodes on the new weights.
+            in_place = abort_mode == "in_place"
+            stats["aborted"] = self._call(self._abort_all(tell_sglang=not in_place))
+            if in_place:   # the scheduler ends them itself, with no step and no answer per request (op "drop")
+                t1 = time.perf_counter()
+                rec = self.census("drop")[0]
+                stats.update(drop_s=time.perf_counter() - t1, drop_hook_s=rec.get("hook_s", 0.0),
+                             dropped=rec.get("dropped", 0), drop=rec.get("how"))
+                if not rec.get("idle"):
+                    logger.warning("SGLang's scheduler still holds requests after the abort's drop (%s)", rec)
 
-    async def _close(self, mode: str, keep_mode: str) -> None:
+    async def _close(self, mode: str, sglang_mode: str) -> None:
         self._open.clear()
         self.paused_mode = mode
         if mode == "wait":
             return
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
-        # keep: in_place (O(1)); the retraction runs after the load (settle). abort: retract, so the step launched
-        # before the pause is processed (and the GPU idle) before the weight load, which queues behind it
-        await self.tm.pause_generation(PauseGenerationReqInput(mode=keep_mode if mode == "keep" else "retract"))
+        # in_place is O(1). keep: the retraction runs after the load (settle); abort: the scheduler drops every
+        # request at once (op "drop", which first waits for the step launched before the pause). "retract" (the
+        # older pauses): the step launched before the pause is processed and the requests retracted in the pause.
+        await self.tm.pause_generation(PauseGenerationReqInput(mode=sglang_mode))
         # The pause message is queued for the scheduler; no request is sent after it without is_pause being
         # checked first. Which requests were sent before? (no await from here to the census: consistent)
         for r in self._reqs.values():
@@ -310,11 +314,14 @@ class AsyncSGLangRunner:
             logger.error("requests %s got more tokens than the paused scheduler generated", over[:3])
         return ok and not over
 
-    async def _abort_all(self) -> int:
-        """Every request ends now with finish_reason "abort" and the tokens that reached its stream so far."""
+    async def _abort_all(self, tell_sglang: bool = True) -> int:
+        """Every request ends now with finish_reason "abort" and the tokens that reached its stream so far.
+        tell_sglang: SGLang's abort_request(abort_all) ends them in the scheduler (after a retract pause);
+        without it the caller drops them there itself (op "drop", after an in_place pause)."""
         for r in self._reqs.values():
             r.aborted = True
-        self.tm.abort_request(abort_all=True)   # SGLang drops them (retracted ones wait in its queue)
+        if tell_sglang:
+            self.tm.abort_request(abort_all=True)   # SGLang drops them (retracted ones wait in its queue)
         # Our TokenizerManager states go first: a cancelled generate_request then finds none and sends no AbortReq
         # of its own (tokenizer_manager.py:3512-3525; abort_all covers them), and the scheduler's answers for these
         # rids are skipped (:2204-2212). 512 such sends were most of the abort pause's loop-thread time.
@@ -414,13 +421,13 @@ class StreamingSGLangEngine(SGLangEngine):
 
     generation = Capabilities(partial_rollouts=True, concurrent_generate=True)
     weight_loaders = (HOOK, CENSUS)
-    # How a "keep" pause's requests are retracted after the load: "bulk" (engines/sglang_sched.py: one pass, where the
-    # scheduler's configuration is the plain one; SGLang's own retract elsewhere) or "sglang" (always SGLang's own).
-    # keep_pause: SGLang's pause mode for "keep"; "retract" is the pause before the sixteenth session (the requests
-    # retracted inside the pause; the retraction in finish_sync then finds nothing to do). Not user settings:
-    # bench/pause_latency.py measures them against each other.
+    # How the scheduler retracts a "keep" pause's requests after the load, or drops an "abort" pause's: "bulk"
+    # (engines/sglang_sched.py: one pass, where the configuration is the plain one; SGLang's own elsewhere) or
+    # "sglang" (always SGLang's own). keep_pause / abort_pause: SGLang's pause mode for each; "retract" is the pause
+    # before the sixteenth / seventeenth session. Not user settings: bench/pause_latency.py compares them.
     retract = "bulk"
     keep_pause = "in_place"
+    abort_pause = "in_place"
 
     def _start_engine(self, **kw):
         from sglang.srt.entrypoints.engine import Engine   # sets SGLang's event-loop policy before our loop exists
@@ -430,7 +437,7 @@ class StreamingSGLangEngine(SGLangEngine):
         return self.runner.engine
 
     def _census(self, op: str) -> list[dict]:
-        """The paused scheduler's census ("count") or retraction ("retract"), one record per TP rank."""
+        """The paused scheduler's census ("count"), retraction ("retract") or drop ("drop"), one record per TP rank."""
         self._census_seq += 1
         cfg = json.dumps({"dir": self._dir, "seq": self._census_seq, "op": op, "bulk": self.retract == "bulk"})
         self._call("census", self.engine.update_weights_from_tensor, [(PREFIX + cfg, torch.empty(0))],
@@ -464,7 +471,7 @@ class StreamingSGLangEngine(SGLangEngine):
     def pause(self, mode: str = "wait") -> None:
         if mode not in PAUSE_MODES:
             raise EngineError(f"engine {self.name}: unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
-        self.runner.pause(mode, self.keep_pause)
+        self.runner.pause(mode, self.keep_pause, self.abort_pause)
         # its parts in seconds (census, drain); the runner's counts ("kept", "aborted") and "exact" flag stay in its
         # own record
         self.last_pause = {k: float(v) for k, v in self.runner.last_pause.items() if k.endswith("_s") and k != "pause_s"}

@@ -17,6 +17,13 @@ thread, between two iterations of its event loop, with the Scheduler on its call
   allocator, no speculative decoding, disaggregation, hierarchical or sparse cache, grammar or pipeline parallelism);
   otherwise, or with bulk off, SGLang's own `pause_generation(mode="retract")` does it, followed by an eviction of
   the now unlocked tree. Either way the report holds the exact counts afterwards.
+- "drop" (at an "abort" pause; the scheduler was paused `in_place`): wait for the step launched before the pause, as
+  "count" does, then end every request the scheduler holds without another step: the pending step's result is
+  discarded unprocessed (the aborted groups are re-queued whole, their tokens are not wanted), the waiting queue and
+  the running batch are emptied and the pools reset at once. The actor has removed the requests' TokenizerManager
+  states first, so nothing waits for an answer. Where bulk does not apply (or with bulk off): SGLang's own retract
+  and `abort_request(abort_all)`, what the abort pause sent before, run here instead. Afterwards the scheduler is
+  idle: flush_cache (finish_sync) and release_memory_occupation (sleep) find nothing left to wait for.
 
 Private SGLang 0.5.17 internals are read and written here (result_queue, last_batch, chunked_req, the pools);
 docs/sglang_pause_plan.md gives the file:line of each. It imports SGLang only inside the scheduler, when needed.
@@ -33,7 +40,7 @@ from rlhf_orch.engines.sglang_stream import write_report
 
 CENSUS = "rlhf_orch.engines.sglang_sched.rlhf_sglang_census"   # a custom_weight_loader: runs in the schedulers
 PREFIX = "rlhf_orch.census:"
-OPS = ("count", "retract")
+OPS = ("count", "retract", "drop")
 _CACHES = ("RadixCache", "ChunkCache")
 _ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
 
@@ -85,7 +92,7 @@ def _serve(rec: dict, bulk: bool) -> None:
                          for rid, r in held(sched, pend).items() if not r.finished()}
         rec["pending"] = sum(extra.values())
     else:
-        rec.update(retract(sched, bulk))
+        rec.update(retract(sched, bulk) if op == "retract" else drop(sched, bulk))
         rec["census"] = {str(r.rid): len(r.output_ids) for r in sched.waiting_queue if not r.finished()}
     rec["hook_s"] = time.perf_counter() - t0
 
@@ -204,3 +211,42 @@ def retract(sched, bulk: bool) -> dict:
     tc = sched.tree_cache
     return {"how": "bulk", "retracted": len(reqs), "evictable_after": int(tc.evictable_size()),
             "protected": int(tc.protected_size())}
+
+
+def drop(sched, bulk: bool) -> dict:
+    """End every request the scheduler holds (an "abort" pause) and empty the pools; returns how, and the idle check."""
+    why = bulk_refusal(sched) if bulk else "bulk off"
+    grammars = getattr(sched, "grammar_manager", None)
+    if not why and grammars is not None and grammars.has_waiting_grammars():
+        why = "a request waiting for its grammar"
+    if why:
+        from sglang.srt.managers.io_struct import AbortReq, PauseGenerationReqInput
+        sched.pause_generation(PauseGenerationReqInput(mode="retract"))   # settle the pending step, re-queue
+        queued = len(sched.waiting_queue)
+        sched.abort_request(AbortReq(abort_all=True))   # pops them; its AbortReq echoes find no state in our manager
+        rec = {"how": "sglang", "why": why, "dropped": queued}
+    else:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()       # the step launched before the pause ends before any weight is written
+        pend = pending(sched)
+        reqs = held(sched, pend)
+        if pend is not None:
+            sched.result_queue.popleft()   # not processed: its tokens belong to the requests dropped here
+        for r in reqs.values():            # what release_req would free, the pools below free at once
+            r.req_pool_idx = None
+            r.kv = None
+        sched.waiting_queue.clear()
+        sched.last_batch = None
+        sched.cur_batch_for_debug = None
+        sched.running_batch.reqs = []
+        sched.running_batch.batch_is_full = False
+        sched._pending_chunked_abort_req = None
+        sched.chunked_req = None
+        sched.tree_cache.reset()
+        sched.req_to_token_pool.clear()
+        sched.token_to_kv_pool_allocator.clear()
+        rec = {"how": "bulk", "dropped": len(reqs)}
+    tc = sched.tree_cache
+    rec["idle"] = bool(not sched.waiting_queue and not sched.running_batch.reqs and sched.chunked_req is None
+                       and not getattr(sched, "result_queue", None))
+    return {**rec, "evictable_after": int(tc.evictable_size()), "protected": int(tc.protected_size())}

@@ -4,7 +4,8 @@ new weights are loaded under them (load_weights, and our IPC sync path with its 
 them and drops the old-weight KV (engines/sglang_sched.py), and after resume their later tokens carry the new
 version and are exactly the new policy's (they re-prefill under the new weights); the version boundary of every
 request sits exactly at the token count the paused scheduler predicted (its pending step's token included), which
-the retraction confirms; an "abort" pause hands requests back unfinished. Needs SGLang 0.5.17:
+the retraction confirms; an "abort" pause hands requests back unfinished (paused in place, the scheduler drops
+every request in one pass and is idle at once: flush_cache works in finish_sync). Needs SGLang 0.5.17:
 
     PYTHONPATH=/tmp/site-sglang:$PWD:$PWD/tests NCCL_NVLS_ENABLE=0 python -m pytest -q -s -m gpu tests/gpu/test_sglang_streaming.py
 """
@@ -170,6 +171,8 @@ def test_abort_many_and_sleep_refused_while_kept(engine):
     t0 = time.perf_counter()
     engine.pause("abort")
     abort_s = time.perf_counter() - t0
+    drop = engine.runner.last_pause    # in place, then the scheduler dropped what it held in one pass (no grammar)
+    assert drop.get("drop") == "bulk" and 0 < drop["dropped"] <= 32, drop
     worker.join(30)
     assert not worker.is_alive()
     out = box["out"]

@@ -9,8 +9,8 @@ delay much longer than a decode step, so many are still on their way when the pa
 leaves one step launched and unprocessed, as SGLang's overlap loop does: its token (sampled before the pause) is
 appended only when that step is processed, by the retraction (or by continue). An abort of a queued request answers
 on a direct path (overtaking those tokens) with output_ids [last] (:3181-3184). The census ops ("count": tokens
-including the pending step's; "retract": process the step, retract, exact counts; engines/sglang_sched.py) are
-queued behind the pause like the real custom-loader call.
+including the pending step's; "retract": process the step, retract, exact counts; "drop": discard the step and
+every request; engines/sglang_sched.py) are queued behind the pause like the real custom-loader call.
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ class State:                     # the TokenizerManager's ReqState
 class FakeScheduler:
     def __init__(self, tm: "FakeTM"):
         self.tm, self.inbox, self.waiting, self.running = tm, [], [], []
-        self.paused, self.epoch, self.all = False, 0, {}
+        self.paused, self.epoch, self.all, self.dropped = False, 0, {}, 0
         self.pending: list[SReq] = []   # the step launched before an in_place pause, not processed yet
         self.task = asyncio.get_running_loop().create_task(self.loop())
 
@@ -113,6 +113,10 @@ class FakeScheduler:
                     for r in [r for r in self.waiting if msg[2] or r.rid == msg[1]]:
                         self.waiting.remove(r)
                         self.tm.deliver_abort(r.rid)                # direct path: no detokenizer delay
+                elif msg[0] == "census" and msg[2] == "drop":      # the step in flight discarded, all dropped
+                    self.dropped = len({r.rid for r in self.waiting + self.running})
+                    self.pending, self.waiting, self.running = [], [], []
+                    msg[1].set_result({})
                 elif msg[0] == "census" and msg[2] == "count":
                     ahead = {r.rid for r in self.pending}
                     msg[1].set_result({r.rid: len(r.output_ids) + (r.rid in ahead)
@@ -160,6 +164,7 @@ class FakeTM:
         self.tokenize_s = 0.0
         self.pause_modes: list[str] = []
         self.own_aborts = 0             # AbortReqs a cancelled generate_request sent for its own request
+        self.abort_alls = 0
 
     async def pause_generation(self, obj):
         self.pause_modes.append(obj.mode)
@@ -174,6 +179,7 @@ class FakeTM:
             self.cond.notify_all()
 
     def abort_request(self, rid: str = "", abort_all: bool = False):
+        self.abort_alls += abort_all
         for r, st in self.rid_to_state.items():
             if abort_all or r == rid:
                 st.abort_requested = True
@@ -256,7 +262,9 @@ def runner():
     def census(op):
         counts = asyncio.run_coroutine_threadsafe(box["r"].engine.tokenizer_manager.sched.census(op),
                                                   box["r"]._loop).result(10)
-        return [{"census": counts, "how": "fake", "hook_s": 0.0}]
+        sched = box["r"].engine.tokenizer_manager.sched
+        return [{"census": counts, "how": "fake", "hook_s": 0.0, "dropped": sched.dropped,
+                 "idle": not (sched.waiting or sched.running or sched.pending)}]
 
     r = box["r"] = AsyncSGLangRunner(FakeEngine, census, drain_timeout_s=5.0)
     yield r
@@ -384,7 +392,8 @@ def test_keep_pause_with_requests_not_yet_sent(runner):
     assert b2["out"][0][3] == [5] * 10
 
 
-def test_abort_pause_returns_partial_tokens(runner):
+@pytest.mark.parametrize("abort_mode", ["in_place", "retract"])
+def test_abort_pause_returns_partial_tokens(runner, abort_mode):
     v = {"v": 0}
     prompts = [[9, i] for i in range(4)]
     t1, b1 = in_thread(lambda: runner.generate(prompts, [sp(500)] * 4, lambda: v["v"]))
@@ -392,7 +401,7 @@ def test_abort_pause_returns_partial_tokens(runner):
     runner.engine.tokenizer_manager.tokenize_s = 0.2
     t2, b2 = in_thread(lambda: runner.generate([[8, 8]], [sp(5)], lambda: v["v"]))
     time.sleep(0.02)
-    runner.pause("abort")
+    runner.pause("abort", abort_mode=abort_mode)
     t1.join(5), t2.join(5)
     assert not t1.is_alive() and not t2.is_alive(), "an abort pause ends every request before it returns"
     check_rows(runner, prompts, b1["out"], {0: 0}, finish="abort")
@@ -405,7 +414,12 @@ def test_abort_pause_returns_partial_tokens(runner):
     assert [list(sched_req(runner, p).output_ids) for p in prompts] == made
     assert b2["out"][0][1:] == ([], [], [], "abort", "")   # never reached the scheduler
     tm = runner.engine.tokenizer_manager
-    assert tm.pause_modes == ["retract"] and tm.own_aborts == 0, "one abort_all, no AbortReq per request"
+    assert tm.pause_modes == [abort_mode] and tm.own_aborts == 0, "no AbortReq per request"
+    if abort_mode == "retract":
+        assert tm.abort_alls == 1
+    else:   # in_place: no abort message at all; the scheduler dropped the 4 requests it held, with no step more
+        assert tm.abort_alls == 0 and runner.last_pause["dropped"] == 4 and runner.last_pause["drop"] == "fake"
+    assert not (tm.sched.waiting or tm.sched.running or tm.sched.pending), "the scheduler holds nothing"
     assert runner.in_flight() == 0
     v["v"] = 1
     runner.resume()

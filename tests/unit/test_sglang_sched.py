@@ -14,12 +14,17 @@ from dataclasses import dataclass
 
 import pytest
 
-from rlhf_orch.engines.sglang_sched import PREFIX, bulk_refusal, rlhf_sglang_census
+from rlhf_orch.engines.sglang_sched import PREFIX, bulk_refusal, held, rlhf_sglang_census
 
 
 @dataclass
 class PauseGenerationReqInput:
     mode: str = "abort"
+
+
+@dataclass
+class AbortReq:
+    abort_all: bool = False
 
 
 @dataclass
@@ -33,6 +38,7 @@ def fake_sglang(monkeypatch):
                  "sglang.srt.mem_cache", "sglang.srt.mem_cache.base_prefix_cache"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     sys.modules["sglang.srt.managers.io_struct"].PauseGenerationReqInput = PauseGenerationReqInput
+    sys.modules["sglang.srt.managers.io_struct"].AbortReq = AbortReq
     sys.modules["sglang.srt.mem_cache.base_prefix_cache"].EvictParams = EvictParams
 
 
@@ -97,6 +103,14 @@ class TokenToKVPoolAllocator(ReqToTokenPool):
     pass
 
 
+class GrammarManager:
+    def __init__(self):
+        self.grammar_queue = []
+
+    def has_waiting_grammars(self):
+        return bool(self.grammar_queue)
+
+
 class Scheduler:
     """The state sglang_sched touches, after an in_place pause with `pend` launched and unprocessed."""
 
@@ -108,6 +122,7 @@ class Scheduler:
         self.tree_cache, self.req_to_token_pool = RadixCache(), ReqToTokenPool()
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator()
         self.tp_rank, self._engine_paused, self.processed, self.sglang_pauses = 0, True, 0, []
+        self.grammar_manager, self.echoes = GrammarManager(), []
 
     def process_batch_result(self, batch, result):
         assert result == "result"
@@ -131,6 +146,11 @@ class Scheduler:
             self.waiting_queue.append(r)
         self.running_batch.reqs, self.last_batch = [], None
         self.tree_cache.protected = 0
+
+    def abort_request(self, req):                    # abort_all after a retract: every queued request popped, echoed
+        assert req.abort_all
+        self.echoes += [r.rid for r in self.waiting_queue]
+        self.waiting_queue = []
 
     def process_input_requests(self, names):        # the update handler runs a few frames below the scheduler
         _weight_updater(names)
@@ -232,3 +252,41 @@ def test_errors_are_reported_not_raised(tmp_path):
     assert "unknown op 'evict'" in call(sched, tmp_path, "evict", seq=6)["error"]
     sched.process_batch_result = lambda batch, result: 1 / 0          # the settle fails inside SGLang
     assert "ZeroDivisionError" in call(sched, tmp_path, "retract", seq=7)["error"]
+
+
+@pytest.mark.parametrize("kind", ["decode", "extend"])
+def test_bulk_drop_ends_every_request_without_a_step_and_leaves_the_scheduler_idle(tmp_path, kind):
+    """An "abort" pause: the step launched before it is not processed (its tokens belong to groups re-queued whole),
+    queued, running, just-prefilled and mid-chunk requests all go, and the pools are emptied: flush_cache's idle."""
+    if kind == "decode":
+        sched, _ = decode_case()
+    else:
+        d, mid = Req("d", 0), Req("m", 0, middle=1)
+        sched = Scheduler([Req("a", 2)], [Req("c", 0)], Batch("extend", [d, mid]), chunked=mid)
+        sched.waiting_queue[0].req_pool_idx = sched.waiting_queue[0].kv = None
+    before = held(sched, sched.result_queue[0])
+    rec = call(sched, tmp_path, "drop")
+    assert rec["op"] == "drop" and rec["how"] == "bulk" and rec["idle"] and rec["census"] == {}
+    assert rec["dropped"] == len(before) == (5 if kind == "decode" else 4)
+    assert sched.processed == 0 and not sched.result_queue, "the pending step is discarded, not processed"
+    assert not sched.waiting_queue and not sched.running_batch.reqs and sched.last_batch is None
+    assert sched.chunked_req is None and not sched.running_batch.batch_is_full and not sched.sglang_pauses
+    assert (sched.tree_cache.resets, sched.req_to_token_pool.cleared, sched.token_to_kv_pool_allocator.cleared) == (1, 1, 1)
+    assert rec["evictable_after"] == 0 and rec["protected"] == 0 and not sched.echoes
+
+
+def test_drop_falls_back_to_sglangs_retract_and_abort_all(tmp_path):
+    sched, (a, _, _) = decode_case()
+    a.grammar = object()
+    rec = call(sched, tmp_path, "drop")
+    assert rec["how"] == "sglang" and rec["why"] == "a request with a grammar" and sched.sglang_pauses == ["retract"]
+    # SGLang's retract settled the pending step (f ended in it), re-queued a and b behind c; abort_all popped them
+    assert sched.processed == 1 and rec["dropped"] == 3 and sorted(sched.echoes) == ["a", "b", "c"]
+    assert rec["idle"] and rec["census"] == {}
+    a.grammar = None
+    sched, _ = decode_case()
+    sched.grammar_manager.grammar_queue.append(Req("g", 0))
+    rec = call(sched, tmp_path, "drop", seq=2)
+    assert rec["how"] == "sglang" and rec["why"] == "a request waiting for its grammar"
+    sched, _ = decode_case()
+    assert call(sched, tmp_path, "drop", seq=3, bulk=False)["why"] == "bulk off"
