@@ -1,7 +1,9 @@
 """Bring your own data end to end: configs/gsm8k_cpu.yaml (a verl-style GSM8K parquet folder, chat messages
 rendered with examples/tiny_chat_template.jinja, answers at reward_model.ground_truth) runs 2 GRPO steps with real
 Ray actors (2 DeepSpeed ranks, a colocated and a dedicated hf engine) and scores every sample with the config's
-GSM8K answer reward (rlhf_orch.rewards.math:gsm8k, math-verify in a Ray reward worker)."""
+GSM8K answer reward (rlhf_orch.rewards.math:gsm8k, math-verify in a Ray reward worker). The same run evaluates after
+its last step, greedily, on 8 prompts of the folder's test split, scored by the run's reward function (it was a run
+of its own in test_eval_run.py)."""
 import json
 import math
 import os
@@ -40,7 +42,8 @@ def test_gsm8k_parquet_run(tmp_path, monkeypatch, reward_record):
     fn = "tests.integration.test_gsm8k_run:recording_gsm8k"
     assert load_config("configs/gsm8k_cpu.yaml").reward.function == "rlhf_orch.rewards.math:gsm8k"   # what we record
     assert launch.main(["--config", "configs/gsm8k_cpu.yaml", f"experiment.output_dir={tmp_path}", "experiment.name=gsm8k",
-                        "experiment.steps=2", "trainer.warm_start_steps=2", f"reward.function={fn}", *QUIET]) == 0
+                        "experiment.steps=2", "trainer.warm_start_steps=2", f"reward.function={fn}", "eval.every=2",
+                        "eval.max_prompts=8", *QUIET]) == 0
     run = tmp_path / "gsm8k"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["verified_syncs"] == summary["syncs"] == 3
@@ -52,6 +55,9 @@ def test_gsm8k_parquet_run(tmp_path, monkeypatch, reward_record):
     assert [s["response"] for s in everything if s["pid"] == os.getpid()] == list(DUMMY_RESPONSES)
     scored = [s for s in everything if s["pid"] != os.getpid()]
     assert all(gsm8k(s["response"], s["row"]) == s["value"] for s in scored)   # the worker scored as the driver does
+    scored, evaluated = scored[:-8], scored[-8:]   # the evaluation after step 2 scores last
+    _check_eval(records, evaluated)
+    assert all(s["row"]["extra_info"]["split"] == "train" for s in scored)
     assert len(scored) == 2 * 16 * 8   # max_staleness 0: each step scores exactly its 16 groups of 8, in order
     for step, r in enumerate(records):
         values = [s["value"] for s in scored[step * 128:(step + 1) * 128]]
@@ -63,6 +69,17 @@ def test_gsm8k_parquet_run(tmp_path, monkeypatch, reward_record):
     drawn = [src for l in (run / "rollouts.jsonl").read_text().splitlines() for src in json.loads(l)["sources"]]
     assert len(drawn) == 32 and all(0 <= int(i) < 64 for _, i in drawn)   # rows of the 64-row train split
     _check_export(run, scored[0]["row"])
+
+
+def _check_eval(records: list[dict], evaluated: list[dict]) -> None:
+    """Greedy evaluation on the held-out split: 8 test rows, one sample each, after the last step; its metrics are
+    the mean of the values the run's reward function gave them."""
+    assert all(s["row"]["extra_info"]["split"] == "test" for s in evaluated)
+    assert len({s["row"]["extra_info"]["index"] for s in evaluated}) == 8                # 8 prompts, greedy: one each
+    assert not any(k.startswith("eval/") for k in records[0])
+    e = records[1]
+    assert e["eval/prompts"] == 8 and e["eval/k"] == 1 and e["eval/pass@1"] == e["eval/pass@k"]
+    assert abs(e["eval/reward_mean"] - statistics.fmean(s["value"] for s in evaluated)) < 1e-9
 
 
 def _check_export(run: Path, row: dict) -> None:
