@@ -230,8 +230,8 @@ def drop(sched, bulk: bool) -> dict:
             torch.cuda.synchronize()       # the step launched before the pause ends before any weight is written
         pend = pending(sched)
         reqs = held(sched, pend)
-        if pend is not None:
-            sched.result_queue.popleft()   # not processed: its tokens belong to the requests dropped here
+        if getattr(sched, "result_queue", None):
+            sched.result_queue.clear()     # not processed: the step's tokens belong to the requests dropped here
         for r in reqs.values():            # what release_req would free, the pools below free at once
             r.req_pool_idx = None
             r.kv = None
