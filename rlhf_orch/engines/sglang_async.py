@@ -278,7 +278,7 @@ class AsyncSGLangRunner:
                 rec = self.census("drop")[0]
                 stats.update(drop_s=time.perf_counter() - t1, drop_hook_s=rec.get("hook_s", 0.0),
                              dropped=rec.get("dropped", 0), drop=rec.get("how"))
-                if not rec.get("idle"):
+                if not rec.get("idle"):   # finish_sync's flush_cache would then fail: say why first
                     logger.warning("SGLang's scheduler still holds requests after the abort's drop (%s)", rec)
 
     async def _close(self, mode: str, sglang_mode: str) -> None:
@@ -287,9 +287,8 @@ class AsyncSGLangRunner:
         if mode == "wait":
             return
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
-        # in_place is O(1). keep: the retraction runs after the load (settle); abort: the scheduler drops every
-        # request at once (op "drop", which first waits for the step launched before the pause). "retract" (the
-        # older pauses): the step launched before the pause is processed and the requests retracted in the pause.
+        # in_place is O(1); then keep: the retraction after the load (settle); abort: op "drop", now. "retract"
+        # (the older pauses): the step in flight is processed and the requests retracted inside the pause.
         await self.tm.pause_generation(PauseGenerationReqInput(mode=sglang_mode))
         # The pause message is queued for the scheduler; no request is sent after it without is_pause being
         # checked first. Which requests were sent before? (no await from here to the census: consistent)
@@ -315,9 +314,8 @@ class AsyncSGLangRunner:
         return ok and not over
 
     async def _abort_all(self, tell_sglang: bool = True) -> int:
-        """Every request ends now with finish_reason "abort" and the tokens that reached its stream so far.
-        tell_sglang: SGLang's abort_request(abort_all) ends them in the scheduler (after a retract pause);
-        without it the caller drops them there itself (op "drop", after an in_place pause)."""
+        """Every request ends now with finish_reason "abort" and the tokens that reached its stream so far; with
+        tell_sglang, SGLang's abort_request(abort_all) ends them in the scheduler (else the caller's op "drop")."""
         for r in self._reqs.values():
             r.aborted = True
         if tell_sglang:
@@ -472,8 +470,7 @@ class StreamingSGLangEngine(SGLangEngine):
         if mode not in PAUSE_MODES:
             raise EngineError(f"engine {self.name}: unknown pause mode {mode!r}; use one of {PAUSE_MODES}")
         self.runner.pause(mode, self.keep_pause, self.abort_pause)
-        # its parts in seconds (census, drain); the runner's counts ("kept", "aborted") and "exact" flag stay in its
-        # own record
+        # its parts in seconds (census, drain, drop); counts and flags stay in the runner's own record
         self.last_pause = {k: float(v) for k, v in self.runner.last_pause.items() if k.endswith("_s") and k != "pause_s"}
         self._paused = True
 
