@@ -179,7 +179,7 @@ def retract(sched, bulk: bool) -> dict:
                "evictable_before": int(tc.evictable_size())}
         if not sched.running_batch.reqs and rec["evictable_before"] > 0:
             tc.evict(EvictParams(num_tokens=rec["evictable_before"]))    # the prompts' old-weight KV, unlocked now
-        return {**rec, "evictable_after": int(tc.evictable_size()), "protected": int(tc.protected_size())}
+        return {**rec, **_cache_left(sched)}
     if pending(sched) is not None:              # as pause_generation does first (scheduler.py:4479-4482)
         b, r = sched.result_queue.popleft()
         sched.process_batch_result(b, r)        # streams the step's tokens; finished requests release their KV
@@ -192,10 +192,21 @@ def retract(sched, bulk: bool) -> dict:
     ch = sched.chunked_req
     if ch is not None and not ch.finished() and id(ch) not in seen:
         reqs.append(ch)
-    for r in reqs:                              # release_req without the per-request frees (schedule_batch.py:1834-1860)
+    _empty(sched, reqs)                         # the retracted requests then wait in the queue and hold nothing
+    for r in reqs:
+        r.reset_for_retract()                   # last_node None, prefix and committed KV 0, is_retracted; tokens kept
+        sched._add_request_to_queue(r)
+    return {"how": "bulk", "retracted": len(reqs), **_cache_left(sched)}
+
+
+def _empty(sched, reqs) -> None:
+    """Take `reqs` out of their pool slots and the scheduler's batches, and reset the pools at once: release_req
+    without the per-request frees (schedule_batch.py:1834-1860), then flush_cache's three resets
+    (scheduler.py:4135-4142) without its idle check. Shared by the bulk retraction and the bulk drop."""
+    for r in reqs:
         r.req_pool_idx = None
         r.kv = None
-        r.reset_for_retract()                   # last_node None, prefix and committed KV 0, is_retracted; tokens kept
+    ch = sched.chunked_req
     sched.last_batch = None
     sched.cur_batch_for_debug = None
     sched.running_batch.reqs = []
@@ -203,14 +214,15 @@ def retract(sched, bulk: bool) -> dict:
     if getattr(sched, "_pending_chunked_abort_req", None) is ch:
         sched._pending_chunked_abort_req = None
     sched.chunked_req = None
-    for r in reqs:
-        sched._add_request_to_queue(r)
-    sched.tree_cache.reset()                    # flush_cache's three resets (scheduler.py:4135-4142), without its
-    sched.req_to_token_pool.clear()             # idle check: the retracted requests wait in the queue and hold nothing
+    sched.tree_cache.reset()
+    sched.req_to_token_pool.clear()
     sched.token_to_kv_pool_allocator.clear()
+
+
+def _cache_left(sched) -> dict:
+    """What the radix cache still holds (both must be 0 after a retraction or a drop: no old-weight KV)."""
     tc = sched.tree_cache
-    return {"how": "bulk", "retracted": len(reqs), "evictable_after": int(tc.evictable_size()),
-            "protected": int(tc.protected_size())}
+    return {"evictable_after": int(tc.evictable_size()), "protected": int(tc.protected_size())}
 
 
 def drop(sched, bulk: bool) -> dict:
@@ -232,21 +244,10 @@ def drop(sched, bulk: bool) -> dict:
         reqs = held(sched, pend)
         if getattr(sched, "result_queue", None):
             sched.result_queue.clear()     # not processed: the step's tokens belong to the requests dropped here
-        for r in reqs.values():            # what release_req would free, the pools below free at once
-            r.req_pool_idx = None
-            r.kv = None
         sched.waiting_queue.clear()
-        sched.last_batch = None
-        sched.cur_batch_for_debug = None
-        sched.running_batch.reqs = []
-        sched.running_batch.batch_is_full = False
-        sched._pending_chunked_abort_req = None
-        sched.chunked_req = None
-        sched.tree_cache.reset()
-        sched.req_to_token_pool.clear()
-        sched.token_to_kv_pool_allocator.clear()
+        _empty(sched, reqs.values())
+        sched._pending_chunked_abort_req = None   # whichever request it names is dropped too
         rec = {"how": "bulk", "dropped": len(reqs)}
-    tc = sched.tree_cache
     rec["idle"] = bool(not sched.waiting_queue and not sched.running_batch.reqs and sched.chunked_req is None
                        and not getattr(sched, "result_queue", None))
-    return {**rec, "evictable_after": int(tc.evictable_size()), "protected": int(tc.protected_size())}
+    return {**rec, **_cache_left(sched)}
