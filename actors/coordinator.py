@@ -4,15 +4,15 @@ setup: ask every trainer rank and engine worker where it sits -> make the plan (
 trainer rank's device, broadcast for the rest) -> lay out buckets from rank 0's parameter specs ->
 build senders and receivers, creating and warming the one broadcast group on all sides at once.
 
-Engines whose receivers check what they load themselves (ours: hf, vLLM, and single-GPU SGLang, our receiver in its
-scheduler; `RolloutActor.streams`) take a whole sync in one call, `sync_weights`: they pause, receive every bucket
-(colocated ones through a shared-memory mailbox with their trainer rank, opened once at setup: no call per
-bucket), compare each tensor's checksum with the trainer's, record the version and resume, while the trainer
-ranks send. So a sync costs one round of calls from here, not five. Other engines (tensor-parallel SGLang, fed
-through SGLang's own calls; any engine with verification off) keep the stepwise sequence: pause -> every trainer rank streams its buckets (rank 0 broadcasts, ranks sharing a
-device hand each bucket's IPC handle to their engines) while broadcast engines receive -> compare every
-engine's checksums with its sender's here -> record the version -> resume. Both kinds in one sync are compared
-here as well. Only metadata passes through this actor: handles, checksums and timings, never tensor data.
+Every sync is one protocol, whatever the transport (rlhf_orch/weight_sync/transport.py): every trainer rank sends
+(`send_weights`) while every engine takes the whole sync in one call (`sync_weights`: pause, receive every bucket over
+its transport, check, record the version, resume). Colocated engines stream from their rank's ring buffers through a
+shared-memory mailbox opened once at setup; dedicated ones take rank 0's broadcasts. Where the trainer's checksums
+travel with the buckets (always over ipc; over broadcast when every broadcast engine can check them itself:
+`checks_loads`) each engine compares every tensor before it resumes. Otherwise (tensor-parallel SGLang, fed through
+its own API) the engine returns its checksums and stays paused (`hold`): this actor compares them with the trainer's
+and then resumes it (`commit`). Only metadata passes through this actor: handles, checksums and timings, never tensor
+data.
 
 With weight_sync.overlap, `begin` has the trainer ranks stage a copy of their weights, then runs the same sync from
 that copy on a thread of this actor while the trainers train the next step; `finish` returns its metrics or error.
@@ -55,7 +55,7 @@ class WeightSyncCoordinator(Located):
         self.plan = None
         self.layouts = []
         self.version = -1
-        self.streaming: set[str] = set()   # engines that take a sync in one call (sync_weights)
+        self.held: set[str] = set()   # engines this actor checks and then resumes (`commit`): see the module doc
         # Numbers the syncs for the mailboxes (weight_sync/mailbox.py) and aborts (abort.py). Starts from the clock
         # (ms) so that numbers keep growing across a replaced coordinator: an engine's abort flag holds the highest
         # number ever aborted, and a new coordinator counting from 1 would find its first syncs aborted.
@@ -84,11 +84,16 @@ class WeightSyncCoordinator(Located):
         specs = self._get(self.trainers[0].param_specs.remote(self.dtype), "parameter specs")
         self.layouts = plan_buckets(specs, self.bucket_bytes)
         self.timeout_s = sync_deadline_s(sum(b.nbytes for b in self.layouts), self.configured_timeout)
-        streams = dict(zip(names, self._get([self.engines[n].streams.remote(self.plan.routes[n].transport) for n in names],
-                                            "engine receiver kinds")))
+        routes = self.plan.routes
+        checks = dict(zip(names, self._get([self.engines[n].checks_loads.remote(routes[n].transport) for n in names],
+                                           "what each engine checks itself")))
+        blind = [n for n in names if routes[n].transport == "ipc" and not checks[n]]
+        if blind:   # plan.py gives ipc to single-worker engines only, and every one of ours streams
+            raise WeightSyncError(f"engines {blind} were planned ipc but cannot take an ipc stream; set "
+                                  "weight_sync.transport: broadcast")
         # Broadcast receivers check the trainer's checksums themselves only if every one of them can: the sums
         # follow the buckets as one more broadcast, which every group member must take part in.
-        bcast_sums = self.verify and all(streams[n] for n in self.plan.broadcast_engines)
+        bcast_sums = self.verify and all(checks[n] for n in self.plan.broadcast_engines)
         group = None
         if self.plan.group_world_size:
             # Rank 0 hosts the store: its node's address and a port free there, never a fixed address.
@@ -97,21 +102,22 @@ class WeightSyncCoordinator(Located):
                      "world_size": self.plan.group_world_size, "sums": bcast_sums}
         refs = []
         for rank, t in enumerate(self.trainers):
-            ipc = {e: self.engines[e] for e in self.plan.ipc_targets.get(rank, [])}
-            refs.append(t.setup_sender.remote(self.layouts, ipc, group if rank == 0 else None, self.verify, self.timeout_s))
-        for name, route in self.plan.routes.items():
+            refs.append(t.setup_sender.remote(self.layouts, self.plan.ipc_targets.get(rank, []),
+                                              group if rank == 0 else None, self.verify, self.timeout_s))
+        for name, route in routes.items():
             g = group if route.transport == "broadcast" else None
             rank = route.group_ranks[0] if route.group_ranks else 0
             refs.append(self.engines[name].setup_receiver.remote(self.layouts, g, rank, self.verify, self.timeout_s,
                                                                  self.replay))
         handles = self._get(refs, "weight-sync group creation and warm-up")[:len(self.trainers)]
-        # Colocated engines that stream open their rank's ring buffers once and give it their mailbox.
-        connect = [(rank, e) for rank, es in self.plan.ipc_targets.items() for e in es if streams[e]]
+        # Colocated engines open their rank's ring buffers once and give it their mailbox.
+        connect = [(rank, e) for rank, es in self.plan.ipc_targets.items() for e in es]
         boxes = self._get([self.engines[e].connect_stream.remote(handles[rank], self.timeout_s) for rank, e in connect],
                           "engines to open the trainer's ipc buffers")
         self._get([self.trainers[rank].attach_mailbox.remote(e, box) for (rank, e), box in zip(connect, boxes)],
                   "trainer ranks to attach the engines' mailboxes")
-        self.streaming = {e for _, e in connect} | (set(self.plan.broadcast_engines) if bcast_sums else set())
+        # Engines whose loads only this actor can check stay paused after their receive until it has.
+        self.held = set(self.plan.broadcast_engines) if self.verify and not bcast_sums else set()
         nbytes = sum(b.nbytes for b in self.layouts)
         logger.info("weight sync plan: %s; %d tensors in %d buckets (%.1f MB)", self.plan.summary(),
                     len(specs), len(self.layouts), nbytes / 1e6)
@@ -185,13 +191,7 @@ class WeightSyncCoordinator(Located):
         trainer ranks send the copy `begin` staged, not their live weights (which may be a step further)."""
         if version < self.version or (version == self.version and not resync):
             raise WeightSyncError(f"sync version {version} is not newer than {self.version}")
-        t0 = time.perf_counter()
-        names = list(self.engines)
-        stepwise = [n for n in names if n not in self.streaming]
-        # On failure the engines stay paused: one may hold part of this version. The driver replaces a dead member
-        # and syncs again (which resumes them), or restarts the run.
-        self._get([self.engines[n].pause.remote(pause_mode) for n in stepwise], f"engines to pause ({pause_mode})")
-        return self._sync(version, names, stepwise, pause_mode, t0, staged)
+        return self._sync(version, pause_mode, staged)
 
     # ---- weight_sync.overlap: the transfer runs while the trainer trains the next step ----------------------
     def begin(self, version: int, pause_mode: str = "wait") -> dict:
@@ -239,28 +239,25 @@ class WeightSyncCoordinator(Located):
             raise out["error"]
         return {**out["metrics"], "sync/finish_wait_s": time.perf_counter() - t0}
 
-    def _sync(self, version: int, names: list[str], stepwise: list[str], pause_mode: str, t0: float,
-              staged: bool = False) -> dict:
-        t_pause = time.perf_counter()
+    def _sync(self, version: int, pause_mode: str, staged: bool = False) -> dict:
+        """Every trainer rank sends while every engine takes the sync in one call; then the checksums nobody checked
+        yet are compared here, and the engines held for that are resumed. On failure the engines stay paused: one may
+        hold part of this version. The driver replaces a dead member and syncs again (which resumes them), or
+        restarts the run."""
+        t0 = time.perf_counter()
         self.sync_id += 1
         routes = self.plan.routes
         send = "send_staged" if staged else "send_weights"
         calls = {f"trainer rank {r}": (t, getattr(t, send).remote(version, self.sync_id))
                  for r, t in enumerate(self.trainers)}
-        one_call = [n for n in names if n in self.streaming]
-        bcast = [n for n in self.plan.broadcast_engines if n not in self.streaming]
-        for n in one_call:
-            calls[n] = (self.engines[n], self.engines[n].sync_weights.remote(version, self.sync_id, pause_mode,
-                                                                             routes[n].transport))
-        for n in bcast:
-            calls[n] = (self.engines[n], self.engines[n].receive_broadcast.remote(version, self.sync_id))
+        for n, e in self.engines.items():
+            calls[n] = (e, e.sync_weights.remote(version, self.sync_id, pause_mode, n in self.held))
         done = self._gather(calls, version)
         sent = [done[f"trainer rank {r}"] for r in range(len(self.trainers))]
-        synced = {n: done[n] for n in one_call}
-        received = {n: done[n] for n in bcast}
+        synced = {n: done[n] for n in self.engines}
         t_transfer = time.perf_counter()
-        ipc_acks = [dict(r.engine_checksums) for r in sent]
-        bcast_sums = {n: r[0] for n, r in received.items()}
+        ipc_acks: list[dict[str, list[int]]] = [{} for _ in self.trainers]
+        bcast_sums = {}
         for n, r in synced.items():
             if routes[n].transport == "ipc":
                 ipc_acks[routes[n].sender_rank][n] = r["sums"]
@@ -271,14 +268,14 @@ class WeightSyncCoordinator(Located):
             raise WeightSyncError(f"weight sync v{version} failed verification; engines hold weights that differ from "
                                   "the trainer's: " + "; ".join(bad))
         t_verify = time.perf_counter()
-        self._get([self.engines[n].finish_sync.remote(version) for n in stepwise], "engines to record the version")
-        self._get([self.engines[n].resume.remote() for n in stepwise], "engines to resume")
+        held = [n for n in self.engines if synced[n]["held"]]
+        self._get([self.engines[n].commit.remote(version) for n in held], "engines to record the version and resume")
         self.version = version
         t_end = time.perf_counter()
         total_bytes = sum(b.nbytes for b in self.layouts)
-        transfer_s = t_transfer - t_pause
+        transfer_s = t_transfer - t0
         rank0 = sent[0]
-        load_s = max([r[1]["load_s"] for r in received.values()] + [r["load_s"] for r in synced.values()], default=0.0)
+        load_s = max([r["load_s"] for r in synced.values()], default=0.0)
         parts: dict[str, float] = {}   # each part of the engines' pauses, the longest engine's (RolloutActor.pause)
         for r in synced.values():
             for k, v in r.get("pause_parts", {}).items():
@@ -287,21 +284,20 @@ class WeightSyncCoordinator(Located):
             **parts,
             "sync/version": version,
             "sync/bytes": total_bytes,
-            # Engines that take the sync in one call pause (and record the version, and resume) inside it.
-            "sync/pause_s": max([t_pause - t0] + [r["pause_s"] for r in synced.values()]),
+            "sync/pause_s": max([r["pause_s"] for r in synced.values()], default=0.0),   # inside sync_weights
             "sync/transfer_s": transfer_s,
             "sync/pack_s": max(r.pack_s for r in sent),
             "sync/wait_s": max(r.wait_s for r in sent),
             "sync/load_s": load_s,
             "sync/verify_s": t_verify - t_transfer,
-            "sync/resume_s": max([t_end - t_verify] + [r["finish_s"] for r in synced.values()]),
+            "sync/resume_s": max([t_end - t_verify] + [r["finish_s"] for r in synced.values()]),   # commit or in the call
             "sync/total_s": t_end - t0,
             "sync/gbps": total_bytes / max(transfer_s, 1e-9) / 1e9,
             "sync/checksum_ok": 1.0 if self.verify else float("nan"),
             "sync/digest": float(digest(rank0.checksums) % 10**9) if rank0.checksums else float("nan"),
             "sync/ipc_engines": sum(r.transport == "ipc" for r in routes.values()),
             "sync/broadcast_engines": len(self.plan.broadcast_engines),
-            "sync/one_call_engines": len(synced),
+            "sync/held_engines": len(held),   # checked here, then resumed (commit)
             "sync/gpu_handover_engines": sum(int(r.get("on_device", 0.0)) for r in synced.values()),
         }
 

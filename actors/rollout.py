@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from rlhf_orch.config.schema import EngineConfig, RolloutSection
 from rlhf_orch.engines import SamplingParams, engine_class, engine_options
-from rlhf_orch.engines.base import streams_over
+from rlhf_orch.engines.base import checks_over
 from rlhf_orch.errors import EngineError
 from rlhf_orch.gpu_memory import devices_used_gb
 from rlhf_orch.rollout.agent import AgentRunner
@@ -72,6 +72,7 @@ class RolloutActor(Located):
                                    mt.max_observation_tokens, mt.tool_timeout_s, mt.tool)
         self.receiver = None
         self.verify = True
+        self._streamed = False
         self._gate = threading.Condition()
         self._syncing = False
         self._receiving = False   # inside a sync's receive (health: a fault benchmark kills inside the transfer)
@@ -188,6 +189,7 @@ class RolloutActor(Located):
     def setup_receiver(self, layouts, group: dict | None, rank: int, verify: bool, timeout_s: float,
                        replay: bool = True) -> float:
         self.verify = verify
+        self._streamed = False   # until connect_stream: this engine's transport is then ipc
         self.close_receiver()   # a re-plan after an engine fault: leave the old broadcast group first
         if self.abort_flag is None:
             self.abort_flag = AbortFlag.create()   # its file goes once the receiving process mapped it (below)
@@ -212,41 +214,48 @@ class RolloutActor(Located):
         return self.receiver.join_group(group["backend"], group["host"], group["port"], rank, group["world_size"],
                                         timeout_s, ray.util.get_node_ip_address(), bool(group.get("sums")))
 
-    def streams(self, transport: str) -> bool:
-        """Whether this engine's receiver verifies what it loads itself and can take a sync over `transport` in one
-        call (`sync_weights`): ours (hf here, vLLM in its workers, single-GPU SGLang in its scheduler) over both
-        transports; tensor-parallel SGLang is fed bucket by bucket through its own API (engines/base.streams_over)."""
-        return streams_over(self.engine, transport)
+    def checks_loads(self, transport: str) -> bool:
+        """Whether this engine's receivers compare what they load over `transport` with the trainer's checksums
+        themselves: ours (hf here, vLLM in its workers, single-GPU SGLang in its scheduler) over both transports;
+        tensor-parallel SGLang, fed through its own API, reports its checksums for the coordinator to compare
+        (engines/base.checks_over)."""
+        return checks_over(self.engine, transport)
 
     def connect_stream(self, buffer_handles, timeout_s: float) -> bytes:
         """Open the colocated trainer rank's ring buffers once; returns the mailbox handle for that rank."""
-        return self.receiver.connect_stream(buffer_handles, timeout_s)
+        handle = self.receiver.connect_stream(buffer_handles, timeout_s)
+        self._streamed = True
+        return handle
 
-    def sync_weights(self, version: int, sync_id: int, pause_mode: str, transport: str) -> dict:
-        """A whole sync in one call: pause -> take every bucket (ipc stream or broadcast) and check each tensor's
-        checksum against the trainer's -> record the version -> resume. On failure the engine stays paused and the
-        sender is told at once (the coordinator resumes or replaces the engine)."""
+    def sync_weights(self, version: int, sync_id: int, pause_mode: str, hold: bool = False) -> dict:
+        """A whole sync in one call: pause -> take every bucket over this engine's transport (checking each tensor's
+        checksum against the trainer's where the transport carries them) -> record the version -> resume. `hold`: the
+        coordinator compares the checksums returned, so the engine stays paused until its `commit`. On failure the
+        engine stays paused and a colocated sender is told at once (the coordinator resumes or replaces the engine)."""
         t0 = time.perf_counter()
         try:
             self.pause(pause_mode)
             t1 = time.perf_counter()
             with self._receiving_now():
-                if transport == "ipc":
-                    sums, m = self.receiver.receive_stream(sync_id, self.verify)
-                else:
-                    sums, m = self.receiver.receive_broadcast(self.verify, sync_id)
+                sums, m = self.receiver.receive(sync_id, self.verify)
         except BaseException:
-            abort = getattr(self.receiver, "abort_stream", None)
-            if transport == "ipc" and callable(abort):
-                abort()
+            if self._streamed:   # the colocated sender stops waiting now; a broadcast sender hears the coordinator
+                self.receiver.abort_stream()
             raise
         t2 = time.perf_counter()
-        self.finish_sync(version)
-        self.resume()
+        if not hold:
+            self.commit(version)
         return {"sums": sums, "pause_s": t1 - t0, "pause_parts": dict(self.last_pause), "receive_s": t2 - t1,
                 "load_s": float(m.get("load_s", 0.0)),
                 "on_device": float(m.get("on_device", 0.0)),   # the GPU hand-over (weight_sync/mailbox.py)
-                "finish_s": time.perf_counter() - t2, "total_s": time.perf_counter() - t0}
+                "finish_s": time.perf_counter() - t2, "total_s": time.perf_counter() - t0, "held": bool(hold)}
+
+    def commit(self, version: int) -> float:
+        """The weights just received are checked: record `version`, then resume generating. Returns seconds."""
+        t0 = time.perf_counter()
+        self.finish_sync(version)
+        self.resume()
+        return time.perf_counter() - t0
 
     def abort_sync(self, sync_id: int) -> float:
         """The coordinator's word that sync `sync_id` failed elsewhere: this side's waits raise SyncAborted at once
@@ -260,13 +269,6 @@ class RolloutActor(Located):
         if callable(close):
             close()
         self.receiver = None
-
-    def receive_ipc(self, handle, bucket_index: int, version: int) -> list[int]:
-        return self.receiver.receive_ipc(handle, bucket_index, self.verify)
-
-    def receive_broadcast(self, version: int, sync_id: int = 0):
-        with self._receiving_now():
-            return self.receiver.receive_broadcast(self.verify, sync_id)
 
     @contextlib.contextmanager
     def _receiving_now(self):

@@ -42,8 +42,6 @@ class TrainerActor(Located):
         self.trainer = None
         self.sender = None
         self._kept_stage: tuple[list, int | None] = ([], None)   # a closed sender's staged weights (weight_sync.overlap)
-        self.engines = {}
-        self.timeout_s = 300.0
         self.abort_flag = AbortFlag.private()   # the coordinator's abort_sync ends this rank's side of a sync at once
 
     def node_address(self) -> tuple[str, int]:
@@ -175,17 +173,16 @@ class TrainerActor(Located):
     def param_specs(self, dtype: str):
         return self.trainer.param_specs(dtype)
 
-    def setup_sender(self, layouts, ipc_engines: dict, group: dict | None, verify: bool, timeout_s: float) -> list:
+    def setup_sender(self, layouts, ipc_engines: list[str], group: dict | None, verify: bool, timeout_s: float) -> list:
         """Build this rank's sender. Rank 0 with `group` hosts the broadcast store and warms it up. Returns the ring
-        buffers' ipc handles (engines that stream open them once, `connect_stream`), [] without ipc engines."""
-        self.engines, self.timeout_s = ipc_engines, timeout_s
+        buffers' ipc handles (its colocated engines open them once, `connect_stream`), [] without ipc engines."""
         self.close_sender()   # a re-plan after an engine fault: leave the old broadcast group first
         bgroup = None
         if group is not None:
             bgroup = BroadcastGroup(group["backend"], group["host"], group["port"], 0, group["world_size"],
                                     timeout_s, self.trainer.device, ray.util.get_node_ip_address())
             bgroup.warmup()
-        self.sender = WeightSender(layouts, self.trainer.device, list(ipc_engines), bgroup, verify,
+        self.sender = WeightSender(layouts, self.trainer.device, ipc_engines, bgroup, verify,
                                    bcast_sums=bool(group and group.get("sums")), timeout_s=timeout_s,
                                    abort_flag=self.abort_flag)
         # weight_sync.overlap: a failed sync is sent again from its staged copy, which outlives the old sender
@@ -200,18 +197,17 @@ class TrainerActor(Located):
         return time.time()
 
     def attach_mailbox(self, engine: str, handle: bytes) -> None:
-        """`engine` streams: hand it buckets through its shared-memory mailbox instead of one call per bucket."""
+        """Colocated `engine` opened this rank's buffers: hand it buckets through its shared-memory mailbox."""
         self.sender.attach_mailbox(engine, handle)
 
     def close_sender(self) -> None:
         if getattr(self, "sender", None) is not None:
             self._kept_stage = self.sender.kept_stage()
-            if self.sender.group is not None:
-                self.sender.group.destroy()
+            self.sender.close()
         self.sender = None
 
     def send_weights(self, version: int, sync_id: int = 0):
-        return self._send(self.trainer.iter_named_tensors(self._gather_groups()), version, sync_id)
+        return self.sender.send(self.trainer.iter_named_tensors(self._gather_groups()), version, sync_id)
 
     def stage_weights(self, version: int) -> dict:
         """Copy this rank's weights into the sender's staging buffer (weight_sync.overlap): `send_staged` then
@@ -225,19 +221,10 @@ class TrainerActor(Located):
         if self.sender.staged_version != version:
             raise TrainerError(f"trainer rank {self.rank}: staged weights are version {self.sender.staged_version}, "
                                f"not {version}")
-        return self._send(self.sender.staged(), version, sync_id)
+        return self.sender.send(self.sender.staged(), version, sync_id)
 
     def _gather_groups(self) -> list[list[str]]:
         return [layout.names for layout in self.sender.layouts]   # ZeRO-3 gathers one bucket at a time
-
-    def _send(self, named, version: int, sync_id: int):
-        def deliver(engine, handle, index, v):
-            return self.engines[engine].receive_ipc.remote(handle, index, v)
-
-        def wait(ref):
-            return get(ref, self.timeout_s, "an engine loading an ipc bucket", TrainerError)
-
-        return self.sender.send(named, version, deliver, wait, sync_id)
 
     def shutdown(self) -> None:
         """Leave the process groups in order, so no rank dies on a store whose host already exited."""

@@ -5,8 +5,8 @@
 Every receiver (an engine, or a plain process that only takes raw floor broadcasts) runs `host_main` in its own
 process, which sees only its GPUs (CUDA_VISIBLE_DEVICES), and is driven over a pipe by `Host`: a message names a
 `HostState` method and its arguments, the answer is its return value or the traceback. `sync_weights` mirrors
-`RolloutActor.sync_weights` (actors/rollout.py, the one-call sync of engines that stream), the other methods the
-calls the coordinator makes of a stepwise engine (SGLang). `RawEngine` is our `WeightReceiver` loading into a dict
+`RolloutActor.sync_weights` (actors/rollout.py: every engine takes a sync in one call) and `commit` its commit (an
+engine the coordinator checks, tensor-parallel SGLang, stays paused until then). `RawEngine` is our `WeightReceiver` loading into a dict
 of tensors: the "raw" engine, and the one that runs on CPU (gloo, shared memory). `Pool` keeps receiver processes
 alive across cases that need the same ones (vLLM takes a minute to start). `markdown`/`as_json` write every table
 from the per-round seconds. This module times nothing the tables report except what engines report themselves.
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.shapes import MODELS
-from rlhf_orch.engines.base import Capabilities, streams_over
+from rlhf_orch.engines.base import Capabilities, checks_over
 from rlhf_orch.engines.vllm_worker import pack_arg
 from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync import WeightReceiver, checksums
@@ -85,17 +85,11 @@ class RawEngine:
         return self.receiver.join_group(group["backend"], group["host"], group["port"], rank_offset, group["world_size"],
                                         timeout_s, expect_sums=bool(group.get("sums")))
 
-    def receive_broadcast(self, verify: bool = True, sync_id: int = 0):
-        return self.receiver.receive_broadcast(verify, sync_id)
-
-    def receive_ipc(self, handle, bucket_index: int, verify: bool = True):
-        return self.receiver.receive_ipc(handle, bucket_index, verify)
-
     def connect_stream(self, handles, timeout_s: float) -> bytes:
         return self.receiver.connect_stream(handles, timeout_s)
 
-    def receive_stream(self, sync_id: int, verify: bool = True):
-        return self.receiver.receive_stream(sync_id, verify)
+    def receive(self, sync_id: int, verify: bool = True):
+        return self.receiver.receive(sync_id, verify)
 
     def abort_stream(self) -> None:
         self.receiver.abort_stream()
@@ -165,13 +159,13 @@ class HostState:
             import sglang
             from rlhf_orch.engines.sglang import SGLangEngine
             self.engine, version = SGLangEngine(**kw), f"SGLang {sglang.__version__}"
-        streams = tuple(t for t in ("ipc", "broadcast") if streams_over(self.engine, t))
+        streams = tuple(t for t in ("ipc", "broadcast") if checks_over(self.engine, t))
         return time.perf_counter() - t0, self.engine.device_ids(), version, streams
 
     def setup(self, layouts, group, rank, verify):
         """As RolloutActor.setup_receiver: with an abort flag (nothing here aborts), so that numbered syncs wait as a
         run's do: polled."""
-        self.verify = verify
+        self.verify, self.streamed = verify, False
         flag = AbortFlag.create()
         try:
             return self.engine.setup_receiver(layouts, group, rank, verify, TIMEOUT_S, abort_flag=flag.handle())
@@ -184,49 +178,31 @@ class HostState:
         self.engine.join_own_group(group, rank)
 
     def connect_stream(self, handles):
+        self.streamed = True
         return self.engine.connect_stream(handles, TIMEOUT_S)
 
-    def sync_weights(self, version, sync_id, transport):
-        """RolloutActor.sync_weights: pause -> every bucket (checked by the receiver) -> record version -> resume."""
+    def sync_weights(self, version, sync_id, hold):
+        """RolloutActor.sync_weights: pause -> every bucket (checked by the receiver where the trainer's checksums
+        come with them) -> record version -> resume; `hold`: stay paused for `commit`."""
         t0 = time.perf_counter()
         self.engine.pause("wait")
         t1 = time.perf_counter()
         try:
-            if transport == "ipc":
-                sums, m = self.engine.receive_stream(sync_id, self.verify)
-            else:
-                sums, m = self.engine.receive_broadcast(self.verify, sync_id)
+            sums, m = self.engine.receive(sync_id, self.verify)
         except BaseException:
-            if transport == "ipc":
+            if self.streamed:
                 self.engine.abort_stream()
             raise
         t2 = time.perf_counter()
-        self.engine.finish_sync(version)
-        self.engine.resume()
+        if not hold:
+            self.commit(version)
         return {"sums": sums, "pause_s": t1 - t0, "receive_s": t2 - t1, "finish_s": time.perf_counter() - t2,
                 **{k: float(v) for k, v in m.items() if k != "total_s"}}   # load_s, and wait_s of a stream
 
-    # stepwise engines (SGLang): the coordinator's calls one by one
-    def pause(self):
-        self.ipc_s = 0.0
-        self.engine.pause("wait")
-
-    def recv(self):
-        sums, m = self.engine.receive_broadcast(self.verify)
-        return sums, {("receive_s" if k == "total_s" else k): float(v) for k, v in m.items()}
-
-    def ipc(self, handle, index):
-        t0 = time.perf_counter()
-        sums = self.engine.receive_ipc(handle, index, self.verify)
-        self.ipc_s += time.perf_counter() - t0
-        return sums
-
-    def finish(self, version):
+    def commit(self, version):
         self.engine.finish_sync(version)
-        return self.ipc_s
-
-    def resume(self):
         self.engine.resume()
+
 
     def set_replay(self, enabled: bool):
         """Load replay (weight_sync/replay.py) on, or off: the engine's own loader at every sync."""

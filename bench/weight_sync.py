@@ -134,10 +134,11 @@ class Case:
         want = "ipc" if self.coloc else "broadcast"
         if any(r.transport != want for r in plan.routes.values()):
             raise RuntimeError(f"{self.placement} engines should be fed by {want}, but the plan is {plan.summary()}")
-        streams = {n: plan.routes[n].transport in h.info[3] and not self.args.stepwise for n, h in hosts.items()}
-        bcast_sums = self.verify and all(streams[n] for n in plan.broadcast_engines)
+        checks = {n: plan.routes[n].transport in h.info[3] for n, h in hosts.items()}
+        bcast_sums = self.verify and all(checks[n] for n in plan.broadcast_engines)
         ipc = plan.ipc_targets.get(0, [])
-        self.streaming = {e for e in ipc if streams[e]} | (set(plan.broadcast_engines) if bcast_sums else set())
+        # As the coordinator: engines whose loads only it can check stay paused until it has (hold, then commit).
+        self.held = set(plan.broadcast_engines) if self.verify and not bcast_sums else set()
         group = None
         if plan.group_world_size:
             group = {"backend": "nccl" if tr.dev.type == "cuda" else "gloo", "host": HOST, "port": free_port(HOST),
@@ -163,8 +164,7 @@ class Case:
             for h in hosts.values():
                 h.get()
         for e in ipc:
-            if streams[e]:
-                self.sender.attach_mailbox(e, hosts[e].call("connect_stream", self.sender.buffer_handles()))
+            self.sender.attach_mailbox(e, hosts[e].call("connect_stream", self.sender.buffer_handles()))
 
     def _raw_group(self, key: str, hosts) -> BroadcastGroup:
         port, world = free_port(HOST), len(hosts) + 1
@@ -210,22 +210,14 @@ class Case:
     def sync(self, version: int) -> tuple[float, dict, dict]:
         """One sync as WeightSyncCoordinator._sync runs it; returns (transfer + verify seconds, sync/* metrics, engine's)."""
         tr, hosts, plan = self.tr, self.engines, self.plan
-        stepwise = [n for n in hosts if n not in self.streaming]
         t0 = time.perf_counter()
-        self._all("pause", names=stepwise)
-        t_pause = time.perf_counter()
         self.sync_id += 1
-        for n in self.streaming:
-            hosts[n].send("sync_weights", version, self.sync_id, plan.routes[n].transport)
-        bcast = [n for n in plan.broadcast_engines if n not in self.streaming]
-        for n in bcast:
-            hosts[n].send("recv")
-        sent = self.sender.send(iter(tr.params.items()), version, lambda e, h, i, v: hosts[e].send("ipc", h, i) or e,
-                                lambda e: hosts[e].get(), self.sync_id)
-        synced = {n: hosts[n].get() for n in self.streaming}
-        received = {n: hosts[n].get() for n in bcast}
+        for n in hosts:
+            hosts[n].send("sync_weights", version, self.sync_id, n in self.held)
+        sent = self.sender.send(iter(tr.params.items()), version, self.sync_id)
+        synced = {n: hosts[n].get() for n in hosts}
         t_transfer = time.perf_counter()
-        acks, sums = dict(sent.engine_checksums), {n: r[0] for n, r in received.items()}
+        acks, sums = {}, {}
         for n, r in synced.items():
             (acks if plan.routes[n].transport == "ipc" else sums)[n] = r["sums"]
         bad = mismatches(plan, tr.layouts, [sent.checksums], [acks], sums) if self.verify else []
@@ -236,20 +228,16 @@ class Case:
             d = digest(sent.checksums)
             assert len(sent.checksums) == len(tr.specs) and d != self.last, "the trainer's checksums did not change"
             self.last = d
-        ipc_s = [s for n, s in zip(stepwise, self._all("finish", version, names=stepwise)) if plan.routes[n].transport == "ipc"]
-        self._all("resume", names=stepwise)
+        self._all("commit", version, names=[n for n in hosts if n in self.held])
         t_end = time.perf_counter()
-        eng: dict[str, float] = {}   # what the engines report (slowest engine); stepwise ipc: their bucket calls
-        for k, v in [kv for r in synced.values() for kv in r.items() if kv[0] != "sums"] + \
-                    [kv for _, m in received.values() for kv in m.items()] + [("ipc_calls_s", s) for s in ipc_s]:
+        eng: dict[str, float] = {}   # what the engines report (slowest engine)
+        for k, v in [kv for r in synced.values() for kv in r.items() if kv[0] not in ("sums", "held")]:
             eng[k] = max(eng.get(k, float("-inf")), float(v))
-        transfer = t_transfer - t_pause
+        transfer = t_transfer - t0
         return transfer + t_verify - t_transfer, {
-            "sync/pause_s": max([t_pause - t0] + [r["pause_s"] for r in synced.values()]),
+            "sync/pause_s": max([r["pause_s"] for r in synced.values()], default=0.0),
             "sync/transfer_s": transfer, "sync/pack_s": sent.pack_s, "sync/wait_s": sent.wait_s,
-            # load: broadcast receivers' and streams' own figure; stepwise ipc engines: their bucket calls (here only)
-            "sync/load_s": max([m["load_s"] for _, m in received.values()] + [r["load_s"] for r in synced.values()] + ipc_s,
-                               default=0.0),
+            "sync/load_s": max([r["load_s"] for r in synced.values()], default=0.0),   # the engines' own figure
             "sync/verify_s": t_verify - t_transfer,
             "sync/resume_s": max([t_end - t_verify] + [r["finish_s"] for r in synced.values()]),
             "sync/total_s": t_end - t0, "sync/gbps": sum(tr.sizes) / max(transfer, 1e-9) / 1e9}, eng
@@ -313,9 +301,9 @@ class Case:
                 rec["sync"], ph, eng = self.sync(r)
             if a.compare_loads:   # the same sync with the engine's own loader, in the same round (replay off)
                 self._negate()
-                self._all("set_replay", False, names=list(self.streaming))
+                self._all("set_replay", False)
                 rec["sync_loader"], ph_l, _ = self.sync(r)
-                self._all("set_replay", True, names=list(self.streaming))
+                self._all("set_replay", True)
                 rec["loader_load"] = ph_l["sync/load_s"]
             for key in ("floor1", "shard"):
                 if key in self.parts:
@@ -334,7 +322,7 @@ class Case:
         return dict(engine=self.label, model=tr.model, placement=self.placement, receivers=self.spec,
                     gpus=" + ".join(self.gpus), bytes=sum(tr.sizes), tensors=len(tr.specs), buckets=len(tr.layouts),
                     bucket_mb=a.bucket_mb, verify=self.verify, verified=verified, repeats=a.repeats, warmup=a.warmup,
-                    plan=self.plan.summary(), streaming=sorted(self.streaming),
+                    plan=self.plan.summary(), held=sorted(self.held),
                     measures=dict(measures), phases=dict(phases), receiver=dict(receiver))
 
     def _negate(self) -> None:
@@ -377,8 +365,6 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
     ap.add_argument("--bucket-mb", type=float, default=512)
     ap.add_argument("--no-verify", action="store_true", help="syncs without checksums (the cost of verification)")
-    ap.add_argument("--stepwise", action="store_true",
-                    help="feed engines that stream (raw, vLLM, SGLang colocated) the stepwise way: a call per bucket")
     ap.add_argument("--shard-floor", action="store_true", help="also the per-shard ideal (>1 receiving GPU)")
     ap.add_argument("--no-one-call", action="store_true", help="sglang: skip SGLang's own one-call baseline")
     ap.add_argument("--naive", action="store_true", help="also the per-parameter path, after the rounds")

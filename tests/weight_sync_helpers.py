@@ -1,7 +1,12 @@
-"""Helpers shared by the weight-sync unit tests (bit-exact comparisons, specs, child-process cleanup)."""
+"""Helpers shared by the weight-sync unit tests (bit-exact comparisons, specs, child-process cleanup, a sender and
+colocated receivers streaming in one process)."""
+import itertools
+import threading
+
 import torch
 
 from rlhf_orch.types import ParamSpec
+from rlhf_orch.weight_sync.abort import AbortFlag
 
 HOST = "127.0.0.1"
 CPU = torch.device("cpu")
@@ -36,3 +41,39 @@ def stop_children(procs, timeout=5.0):
             p.join(5)
 
 
+
+
+def in_process_streams(sender, receivers: dict, timeout_s: float = CHILD_TIMEOUT_S, verify: bool = True):
+    """Connect `receivers` ({engine name: WeightReceiver} in this process) to `sender` as colocated streams; returns
+    `sync(named)`, which sends while one thread per receiver takes the sync, and gives (the sender's result,
+    {engine: its checksums, or the error it raised}). A failing send aborts the receives, as the coordinator would."""
+    for name, recv in receivers.items():
+        if recv.abort_flag is None:
+            recv.abort_flag = AbortFlag.private()
+        sender.attach_mailbox(name, recv.connect_stream(sender.buffer_handles(), timeout_s))
+    ids = itertools.count(1)
+
+    def sync(named):
+        sync_id, got = next(ids), {}
+
+        def take(name, recv):
+            try:
+                got[name] = recv.receive(sync_id, verify)[0]
+            except BaseException as e:   # the engine's side of a failed sync, for the test to look at
+                got[name] = e
+
+        threads = [threading.Thread(target=take, args=item) for item in receivers.items()]
+        for t in threads:
+            t.start()
+        try:
+            return sender.send(named, sync_id, sync_id=sync_id), got
+        except BaseException:
+            for recv in receivers.values():
+                recv.abort_flag.abort(sync_id)
+            raise
+        finally:
+            for t in threads:
+                t.join(timeout_s)
+            assert not any(t.is_alive() for t in threads), "a receiver did not end with its sync"
+
+    return sync

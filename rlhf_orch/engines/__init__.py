@@ -37,11 +37,11 @@ def engine_class(kind: str):
 _NOT_ENGINE_ARGS = {"name", "count", "placement", "sampling", "kind", "sleep_level", "python_path"}
 
 
-# Test hooks of the hf engine: a slow engine or a slow sync, or the coordinator's bucket-by-bucket sync path. They
+# Test hooks of the hf engine: a slow engine or a slow sync, or loads over broadcast that the coordinator checks. They
 # are not part of the user's config: tests set them in the driver's environment, per engine entry of the config,
-#   RLHF_ORCH_TEST_HOOKS='{"engines.1": {"decode_delay_s": 0.02, "sync_delay_s": 1.0, "stepwise_sync": true}}'
+#   RLHF_ORCH_TEST_HOOKS='{"engines.1": {"decode_delay_s": 0.02, "sync_delay_s": 1.0, "unchecked_broadcast": true}}'
 HOOKS_ENV = "RLHF_ORCH_TEST_HOOKS"
-HF_HOOKS = {"decode_delay_s": float, "stepwise_sync": bool, "sync_delay_s": float, "start_delay_s": float}
+HF_HOOKS = {"decode_delay_s": float, "unchecked_broadcast": bool, "sync_delay_s": float, "start_delay_s": float}
 
 
 def hooks_from_env(entry: int) -> dict:

@@ -61,16 +61,18 @@ class Capabilities:
     own_receivers: bool = False          # setup_receiver runs receivers in the engine's own processes (vLLM, SGLang);
                                          # else the rollout actor's WeightReceiver calls its load_weights, checksums
                                          # and replay_params, on its `device`
-    streams: frozenset = TRANSPORTS      # transports over which a whole sync is one call that checks what it loads
-                                         # (RolloutActor.sync_weights); the coordinator feeds the others bucket by bucket
+    checks_loads: frozenset = TRANSPORTS   # transports over which its receivers compare what they load with the
+                                           # trainer's checksums themselves; over the others (tensor-parallel SGLang's
+                                           # own broadcast) the engine reports its checksums and stays paused until the
+                                           # coordinator has compared them (actors/coordinator.py)
     aborts_syncs: bool = False           # its own receivers poll the rollout actor's abort flag (weight_sync/abort.py)
     saves_rng: bool = False              # rng_state / set_rng_state: a resumed or repaired run samples bit-exactly
 
 
-def streams_over(engine, transport: str) -> bool:
-    """Whether `engine` takes a whole sync over `transport` ("ipc" or "broadcast") in one call (its declared
-    `capabilities.streams`)."""
-    return transport in engine.capabilities.streams
+def checks_over(engine, transport: str) -> bool:
+    """Whether `engine` checks what it loads over `transport` ("ipc" or "broadcast") itself (its declared
+    `capabilities.checks_loads`)."""
+    return transport in engine.capabilities.checks_loads
 
 
 def per_prompt_params(params: "SamplingParams | Sequence[SamplingParams]", count: int) -> list[SamplingParams]:

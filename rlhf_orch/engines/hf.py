@@ -53,7 +53,7 @@ def _cache_of(out):
 class HFEngine(EngineLifecycle):
     def __init__(self, name: str, model_path: str, device: str = "cpu", dtype: str = "float32",
                  device_id: str = "", max_batch_size: int = 256, seed: int = 0, decode_delay_s: float = 0.0,
-                 stepwise_sync: bool = False, sync_delay_s: float = 0.0, start_delay_s: float = 0.0):
+                 unchecked_broadcast: bool = False, sync_delay_s: float = 0.0, start_delay_s: float = 0.0):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if start_delay_s:
@@ -64,9 +64,10 @@ class HFEngine(EngineLifecycle):
         self.max_batch_size = max_batch_size
         self.decode_delay_s = decode_delay_s   # test hook: a slow engine
         self.sync_delay_s = sync_delay_s       # test hook: a slow sync (a bucket's load)
-        # stepwise_sync, a test hook: no sync in one call, so the coordinator's bucket-by-bucket path runs
+        # unchecked_broadcast, a test hook: over broadcast the coordinator checks this engine's loads before it resumes
+        # it, as it does tensor-parallel SGLang's (the trainer's checksums then travel to no broadcast receiver)
         self.capabilities = Capabilities(partial_rollouts=True, reports_decode_steps=True, saves_rng=True,
-                                         streams=frozenset() if stepwise_sync else TRANSPORTS)
+                                         checks_loads=frozenset({"ipc"}) if unchecked_broadcast else TRANSPORTS)
         self.weight_version = -1        # nothing synced yet: the first sync makes it 0
         self._device_id = device_id
         self._init_lifecycle()

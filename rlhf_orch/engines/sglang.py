@@ -13,17 +13,13 @@ Generation is one `Engine.generate(input_ids=..., return_logprob=True)` call; ea
 not the returned logprob. Greedy (T=0) returns log_softmax(logits). We refuse to start with that variable set.
 
 Weight sync (docs/sglang_api_notes.md): a single-GPU engine takes a whole sync in one call on either transport, with
-our receiver running in the scheduler (sglang_stream.py); a tensor-parallel one (or any, with verification off)
-through SGLang's own APIs, bucket by bucket:
-- broadcast: `init_weights_update_group` joins our group (rank = rank_offset + TP rank), then one
+our receiver running in the scheduler (sglang_stream.py). A tensor-parallel one, always fed by broadcast (plan.py),
+goes through SGLang's own API inside the same one call (`receive`), bucket by bucket:
+- `init_weights_update_group` joins our group (rank = rank_offset + TP rank), then one
   `update_weights_from_distributed(load_format="flattened_bucket")` call per bucket. SGLang packs its
   receive buffer tightly in request order (weight_sync/tensor_bucket.py:50-72); our buckets have 256-byte
   aligned slots, so each request lists uint8 padding entries for the gaps and the buffer is byte-identical
   to ours. The trainer end is our `BroadcastGroup`, whose store keys follow the chain SGLang builds.
-- ipc, stepwise (TP engines, and `--stepwise` in bench/weight_sync.py): one
-  `update_weights_from_tensor(load_format="flattened_bucket")` call per bucket whose payload names
-  our CUDA IPC buffer through SGLang's uuid-aware rebuild function (only modules on SGLang's unpickling
-  allow-list appear in it), with metadata giving our slot offsets. The actor process never touches CUDA.
 - Verification: at setup we register `rlhf_sglang_hook` as a `custom_weight_loader` and call it once per
   TP scheduler; it wraps the model's `load_weights`, which every update path calls with the received
   tensors (views into the flat bucket). The wrapper drops our padding/warm-up entries, loads, checksums
@@ -39,7 +35,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import shutil
 import tempfile
 import time
@@ -51,7 +46,7 @@ import torch
 from rlhf_orch.engines.base import WAKE_TAGS, EngineLifecycle, per_prompt_params
 from rlhf_orch.engines.sglang_stream import HOOK, SchedulerStream, stream_request, write_report
 from rlhf_orch.errors import EngineError
-from rlhf_orch.types import Sample, dtype_from_name
+from rlhf_orch.types import Sample
 from rlhf_orch.weight_sync.buckets import BucketLayout, checksums
 from rlhf_orch.weight_sync.collective import GROUP_NAME
 
@@ -138,16 +133,6 @@ def bucket_request(layout: BucketLayout) -> tuple[list[str], list[str], list[lis
     return names, dtypes, shapes
 
 
-class _Reduce:
-    """Pickles as `fn(*args)`: lets us write SGLang's own IPC rebuild call without opening the handle here."""
-
-    def __init__(self, fn, args):
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return self.fn, self.args
-
-
 # ---- the engine (in the rollout actor) ---------------------------------------------------------------
 class SGLangEngine(SchedulerStream, EngineLifecycle):
     checksums_mode = "received"   # checksums describe received tensors (see the module doc)
@@ -172,7 +157,6 @@ class SGLangEngine(SchedulerStream, EngineLifecycle):
         self._stale = False               # weights dropped by sleep(2): a sync must come before generate
         self._layouts: list[BucketLayout] = []
         self._requests: list[tuple] = []
-        self._meta: dict[int, list] = {}
         self._group = False               # joined our group through SGLang's own API (bucket by bucket)
         self._bstream = False             # joined it with our receiver in the scheduler (one call per sync)
         self._verify = True
@@ -319,12 +303,11 @@ class SGLangEngine(SchedulerStream, EngineLifecycle):
         self._layouts = list(layouts)
         self._replay = bool(replay)
         self._requests = [bucket_request(lay) for lay in self._layouts]
-        self._meta = {}
         self.close()
         self._install(verify)
-        self._bstream = False
+        self._bstream = self._ipc_stream = False
         if group is not None and group.get("sums") and self.tensor_parallel_size == 1:
-            # The coordinator streams to us (capabilities.streams): our receiver in the scheduler, one call per sync.
+            # The coordinator streams to us (capabilities.checks_loads): our receiver in the scheduler, one call per sync.
             self.join_stream_group(group, rank_offset, timeout_s)
             self._bstream = True
         elif group is not None:
@@ -348,6 +331,12 @@ class SGLangEngine(SchedulerStream, EngineLifecycle):
             raise EngineError(f"engine {self.name}: the warm-up broadcast delivered wrong bytes")
         logger.info("engine %s: joined the weight-sync group as ranks %d..%d of %d", self.name, rank_offset,
                     rank_offset + self.tensor_parallel_size - 1, group["world_size"])
+
+    def receive(self, sync_id: int, verify: bool = True) -> tuple[list[int], dict[str, float]]:
+        """One whole sync over the transport set up: the colocated stream (`connect_stream`) or the broadcast group."""
+        if self._ipc_stream:
+            return self.receive_stream(sync_id, verify)
+        return self.receive_broadcast(verify, sync_id)
 
     def receive_broadcast(self, verify: bool = True, sync_id: int = 0) -> tuple[list[int], dict[str, float]]:
         """A whole sync over broadcast; returns (checksums, seconds per phase). Single-GPU: one call, our receiver in
@@ -378,37 +367,6 @@ class SGLangEngine(SchedulerStream, EngineLifecycle):
         m["transfer_s"] = max(0.0, m["call_s"] - m["load_s"] - m["verify_s"])   # SGLang's alloc + broadcast
         m["total_s"] = time.perf_counter() - t0
         return sums, m
-
-    def _ipc_payload(self, handle, layout: BucketLayout) -> bytes:
-        """SGLang's flattened-bucket payload for our buffer: rebuilt in the scheduler by device uuid."""
-        from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.utils.patch_torch import _rebuild_cuda_tensor_modified
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
-
-        if handle.device != "cuda" or not handle.device_uuid:
-            raise EngineError(f"engine {self.name}: SGLang takes CUDA IPC handles only (got a {handle.device!r} handle)")
-        meta = self._meta.get(layout.index)
-        if meta is None:
-            meta = [FlattenedTensorMetadata(name=s.name, shape=torch.Size(s.shape), dtype=dtype_from_name(s.dtype),
-                                            start_idx=s.offset, end_idx=s.offset + s.nbytes, numel=s.nbytes)
-                    for s in layout.slots]
-            self._meta[layout.index] = meta
-        _, args = pickle.loads(handle.payload)            # torch reduce_tensor's args (ipc.export_handle)
-        args = list(args)
-        args[6] = handle.device_uuid                      # SGLang's rebuild maps the uuid to its own index
-        ref = _Reduce(_rebuild_cuda_tensor_modified, tuple(args))
-        return MultiprocessingSerializer.serialize({"flattened_tensor": ref, "metadata": meta})
-
-    def receive_ipc(self, handle, bucket_index: int, verify: bool = True) -> list[int]:
-        """Load bucket `bucket_index` from the trainer's CUDA IPC buffer with one update_weights_from_tensor call."""
-        self._need_weights_awake("receive_ipc")
-        if verify and not self._verify:
-            self._install(True)
-        layout = self._layouts[bucket_index]
-        payload = self._ipc_payload(handle, layout)
-        self._call(f"update_weights_from_tensor (bucket {bucket_index})", self.engine.update_weights_from_tensor,
-                   [payload] * self.tensor_parallel_size, load_format="flattened_bucket", flush_cache=False)
-        return self._after_load(layout.names, verify)[0]
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Load (hf_name, tensor) pairs with one update_weights_from_tensor call (tests, small models)."""

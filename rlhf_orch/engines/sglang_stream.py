@@ -6,10 +6,10 @@ over broadcast): a round trip through the tokenizer manager and the scheduler (~
 single-GPU SGLang engine what our vLLM workers have (vllm_worker.py), on both transports:
 - colocated (ipc): at setup, one control request (`CONNECT`) makes a `WeightReceiver` in the scheduler that opens the
   trainer rank's ring buffers once and creates the shared-memory mailbox (weight_sync/mailbox.py); per sync, one
-  request (`STREAM`) runs `receive_stream` there;
+  request (`STREAM`) runs the receiver's `receive` there (weight_sync/ipc_stream.py);
 - disaggregated (broadcast): at setup, one request (`JOIN`) makes the receiver there and joins our broadcast group
   (rank 0 is the trainer's `BroadcastGroup`; the group's checksums follow the last bucket); per sync, one request
-  (`BCAST`) runs `receive_broadcast` there: the receive of bucket k + 1 is posted before bucket k is loaded.
+  (`BCAST`) runs `receive` there (weight_sync/broadcast.py): bucket k + 1's receive is posted before bucket k loads.
 Either way each bucket is loaded by SGLang's `load_weights` at the first sync and by the recorded copies afterwards
 (weight_sync/replay.py), every tensor is compared with the trainer's checksum before the call returns, and the
 receiver polls the rollout actor's abort flag (weight_sync/abort.py), so a sync another member abandons ends here at
@@ -20,7 +20,7 @@ Control requests travel as the name of one empty tensor through `update_weights_
 requests do. An exception must never leave the hook: SGLang does not catch it there, and the scheduler, with
 the whole engine, would die. So every error is reported and raised on the actor's side as an EngineError.
 
-It does not serve tensor-parallel engines: those take SGLang's own per-bucket calls (engines/sglang.py). It imports
+It does not serve tensor-parallel engines: those take SGLang's own per-bucket broadcast calls (engines/sglang.py). It imports
 no SGLang.
 """
 from __future__ import annotations
@@ -127,14 +127,14 @@ def _current(state: dict, transport: str) -> WeightReceiver:
 def _stream(model, state: dict, cfg: dict) -> dict:
     rec = _current(state, "ipc")
     rec.set_replay(bool(cfg["replay"]))
-    sums, m = rec.receive_stream(int(cfg["sync_id"]), bool(cfg["verify"]))
+    sums, m = rec.receive(int(cfg["sync_id"]), bool(cfg["verify"]))
     return {"sums": sums, **m}
 
 
 def _bcast(model, state: dict, cfg: dict) -> dict:
     rec = _current(state, "broadcast")
     rec.set_replay(bool(cfg["replay"]))
-    sums, m = rec.receive_broadcast(bool(cfg["verify"]), int(cfg["sync_id"]))   # an aborted one leaves the group
+    sums, m = rec.receive(int(cfg["sync_id"]), bool(cfg["verify"]))   # an aborted one leaves the group
     return {"sums": sums, **m}
 
 
@@ -146,6 +146,7 @@ class SchedulerStream:
 
     _stream_seq = 0
     _box: Mailbox | None = None
+    _ipc_stream = False   # connect_stream made this engine's transport ipc (SGLangEngine.receive)
     _replay = True
     _abort: dict | None = None   # {"path": the rollout actor's flag, "link": a name of it the scheduler maps}
 
@@ -158,7 +159,7 @@ class SchedulerStream:
         through SGLang's own calls, and its broadcast receive ends at its group's timeout or when rank 0 leaves."""
         one = self.tensor_parallel_size == 1
         return replace(self.generation, own_receivers=True,
-                       streams=frozenset({"ipc", "broadcast"}) if one else frozenset(), aborts_syncs=one)
+                       checks_loads=frozenset({"ipc", "broadcast"}) if one else frozenset(), aborts_syncs=one)
 
     def keep_abort_flag(self, path: str) -> None:
         """At setup_receiver, before the rollout actor unlinks its flag file: a second name of the same shared memory,
@@ -183,6 +184,7 @@ class SchedulerStream:
                                 timeout_s=float(timeout_s), replay=self._replay, abort=self._abort)
         handle = rec["mailbox"].encode()
         self._box = Mailbox.observe(handle)   # before the first sync unlinks it: abort_stream writes through it
+        self._ipc_stream = True
         return handle
 
     def join_stream_group(self, group: dict, rank: int, timeout_s: float) -> float:

@@ -172,10 +172,12 @@ class VLLMEngine(EngineLifecycle):
                          float(timeout_s), bool(replay), abort_flag)
         return max(float(s) for s in secs)
 
-    def receive_broadcast(self, verify: bool = True, sync_id: int = 0) -> tuple[list[int], dict[str, float]]:
-        self._need_weights_awake("receive_broadcast")
-        results = self._rpc("rlhf_receive_broadcast", bool(verify), int(sync_id))
-        sums = self._agree("receive_broadcast", [[int(x) for x in r[0]] for r in results])
+    def receive(self, sync_id: int, verify: bool = True) -> tuple[list[int], dict[str, float]]:
+        """Every bucket of sync `sync_id` over the transport set up: the colocated stream (one worker) or the broadcast
+        group (every worker; their checksums must agree). Returns (checksums, seconds by phase, the slowest worker's)."""
+        self._need_weights_awake("receive")
+        results = self._rpc("rlhf_receive", int(sync_id), bool(verify))
+        sums = self._agree("receive", [[int(x) for x in r[0]] for r in results])
         metrics: dict[str, float] = {}
         for _, m in results:
             for k, v in m.items():
@@ -190,11 +192,6 @@ class VLLMEngine(EngineLifecycle):
             raise EngineError(f"engine {self.name}: an ipc stream needs a single-worker engine, got {len(boxes)} workers")
         return bytes(boxes[0])
 
-    def receive_stream(self, sync_id: int, verify: bool = True) -> tuple[list[int], dict[str, float]]:
-        self._need_weights_awake("receive_stream")
-        (sums, metrics), = self._rpc("rlhf_receive_stream", int(sync_id), bool(verify))
-        return [int(x) for x in sums], {k: float(v) for k, v in metrics.items()}
-
     def set_replay(self, enabled: bool) -> None:
         self._rpc("rlhf_set_replay", bool(enabled))
 
@@ -204,11 +201,6 @@ class VLLMEngine(EngineLifecycle):
 
     def abort_stream(self) -> None:
         self._rpc("rlhf_abort_stream")
-
-    def receive_ipc(self, handle, bucket_index: int, verify: bool = True) -> list[int]:
-        self._need_weights_awake("receive_ipc")
-        results = self._rpc("rlhf_receive_ipc", pack_arg(handle), int(bucket_index), bool(verify))
-        return self._agree("receive_ipc", [[int(x) for x in r] for r in results])
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Copy (hf_name, tensor) pairs into the model through the workers (pickled on CPU: tests, small models)."""

@@ -133,16 +133,14 @@ class WeightSyncWorkerExtension:
             raise RuntimeError("weight receiver not set up: call rlhf_setup_receiver first")
         return rec
 
-    def rlhf_receive_broadcast(self, verify: bool, sync_id: int = 0) -> tuple[list[int], dict[str, float]]:
-        return self._rlhf_receiver().receive_broadcast(bool(verify), int(sync_id))
-
     def rlhf_connect_stream(self, handles: Any, timeout_s: float) -> bytes:
         """Open the colocated trainer rank's two ring buffers once; returns our mailbox's handle (receiver.py)."""
         return self._rlhf_receiver().connect_stream([_as_handle(h) for h in _unpack_arg(handles)], float(timeout_s))
 
-    def rlhf_receive_stream(self, sync_id: int, verify: bool) -> tuple[list[int], dict[str, float]]:
-        """Every bucket of one sync through the mailbox, each tensor checked against the trainer's checksum."""
-        return self._rlhf_receiver().receive_stream(int(sync_id), bool(verify))
+    def rlhf_receive(self, sync_id: int, verify: bool) -> tuple[list[int], dict[str, float]]:
+        """Every bucket of one sync over this worker's transport (the colocated stream or the broadcast group), each
+        tensor checked against the trainer's checksum where they travel with the buckets."""
+        return self._rlhf_receiver().receive(int(sync_id), bool(verify))
 
     def rlhf_set_replay(self, enabled: bool) -> None:
         """Switch load replay on or off for later syncs (the benchmark compares both in one run)."""
@@ -153,9 +151,6 @@ class WeightSyncWorkerExtension:
 
     def rlhf_abort_stream(self) -> None:
         self._rlhf_receiver().abort_stream()
-
-    def rlhf_receive_ipc(self, handle: Any, bucket_index: int, verify: bool) -> list[int]:
-        return self._rlhf_receiver().receive_ipc(_as_handle(handle), int(bucket_index), bool(verify))
 
     def rlhf_load_weights(self, named: Any) -> int:
         """Load pickled [(name, cpu tensor)] in one load_weights call (tests, small models); returns count."""

@@ -98,23 +98,6 @@ def _local_cuda_index(dev_uuid: str) -> int:
                        "an ipc engine must see the trainer's GPU")
 
 
-class HandleCache:
-    """Opens handles once per buffer id and keeps the mapped tensors alive."""
-
-    def __init__(self):
-        self._open: dict[str, torch.Tensor] = {}
-
-    def open(self, handle: IpcHandle) -> torch.Tensor:
-        t = self._open.get(handle.buffer_id)
-        if t is None:
-            t = open_handle(handle)
-            self._open[handle.buffer_id] = t
-        return t
-
-    def clear(self) -> None:
-        self._open.clear()
-
-
 def open_handle(handle: IpcHandle) -> torch.Tensor:
     if handle.device == "cpu":
         tmp.set_sharing_strategy("file_system")

@@ -74,15 +74,17 @@ def test_plan_and_sender_run_on_their_device_whatever_the_current_one():
     is current must still run on GPU 0 (the SGLang GPU tests failed with "invalid resource handle" without it)."""
     from rlhf_orch.types import ParamSpec, dtype_name
     from rlhf_orch.weight_sync import WeightSender, plan_buckets
+    from rlhf_orch.weight_sync.mailbox import SLOTS
     dev = torch.device("cuda", 0)
     src = torch.arange(4096, device=dev, dtype=torch.int64).view(torch.uint8)
     dst = torch.zeros_like(src)
     want = copysum.CopyPlan([copysum.Run(src, dst, 0)], 1, dev).run()
     weights = [(f"w{i}", torch.randn(256, 64, device=dev, dtype=torch.bfloat16)) for i in range(4)]
     layouts = plan_buckets([ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in weights], 64 * 1024)
-    def send():   # an IPC sync to nobody (the handles go nowhere): packs and checksums every bucket
-        return WeightSender(layouts, dev, ["e"]).send(iter(weights), 1, deliver=lambda e, h, i, v: [],
-                                                       wait=lambda x: x).checksums
+    def send():   # a sender's pack and checksum of every bucket, as its send runs them (no receiver in this process:
+        sender = WeightSender(layouts, dev, ["e"])   # CUDA IPC handles do not open in the process that made them)
+        it = iter(weights)
+        return [x for lay in layouts for x in sender._pack_and_sum(lay, lay.index % SLOTS, [next(it)[1] for _ in lay.slots])]
     with torch.cuda.device(1):
         dst.zero_()
         assert copysum.CopyPlan([copysum.Run(src, dst, 0)], 1, dev).run() == want and torch.equal(dst, src)

@@ -83,7 +83,7 @@ def _engine(layouts, conn, replay: bool, corrupt: str | None, die_at: int | None
             if msg == "stop":
                 return
             try:
-                sums, timings = recv.receive_stream(msg)
+                sums, timings = recv.receive(msg)
             except WeightSyncError as e:
                 conn.send(("refused", str(e)))
                 continue

@@ -50,57 +50,49 @@ def _check_logprobs(engine, model_dir, version):
     assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(ref), atol=0.05), (s.logprobs, ref)
 
 
-@pytest.mark.parametrize("placement", ["nccl", "nccl_stream", "ipc"])
+@pytest.mark.parametrize("placement", ["nccl", "nccl_stream"])   # colocated: the stream test below
 def test_sync_into_sglang(engine, dirs, placement):
     """nccl: SGLang's own group and one update_weights_from_distributed call per bucket (the tensor-parallel path);
     nccl_stream: our receiver in the scheduler joins the group and takes each sync in one call, checking the
-    trainer's checksums that follow the buckets; ipc: one update_weights_from_tensor call per bucket."""
+    trainer's checksums that follow the buckets. Both on the engine's one `receive` call per sync."""
     from rlhf_orch.weight_sync.collective import BroadcastGroup
     from rlhf_orch.types import ParamSpec, dtype_name
     from rlhf_orch.weight_sync import WeightSender, plan_buckets
     from rlhf_orch.weight_sync.collective import free_port
-    bcast = placement.startswith("nccl")
-    if bcast and torch.cuda.device_count() < 2:
+    if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     # each case moves the engine to other weights than the case before
-    target, version = {"nccl": (dirs[1], 2), "nccl_stream": (dirs[0], 3), "ipc": (dirs[1], 4)}[placement]
-    dev = torch.device("cuda", 1 if bcast else 0)
+    target, version = {"nccl": (dirs[1], 2), "nccl_stream": (dirs[0], 3)}[placement]
+    dev = torch.device("cuda", 1)
     weights = [(n, t.to(dev)) for n, t in named_weights(target, torch.bfloat16)]
     layouts = plan_buckets([ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in weights], 64 * 1024)
     assert len(layouts) >= 3
     engine.pause()
-    if bcast:
-        port, box, stream = free_port("127.0.0.1"), {}, placement == "nccl_stream"
+    port, box, stream = free_port("127.0.0.1"), {}, placement == "nccl_stream"
 
-        def trainer_side():
-            try:
-                g = BroadcastGroup("nccl", "127.0.0.1", port, 0, 2, 120, dev)
-                g.warmup()                     # meets the engine's warm-up call inside setup_receiver
-                box["sender"] = WeightSender(layouts, dev, [], g, bcast_sums=stream)
-            except Exception as e:             # surfaced by the assert below, not lost in the thread
-                box["error"] = e
-        t = threading.Thread(target=trainer_side)
+    def trainer_side():
+        try:
+            g = BroadcastGroup("nccl", "127.0.0.1", port, 0, 2, 120, dev)
+            g.warmup()                     # meets the engine's warm-up call inside setup_receiver
+            box["sender"] = WeightSender(layouts, dev, [], g, bcast_sums=stream)
+        except Exception as e:             # surfaced by the assert below, not lost in the thread
+            box["error"] = e
+    t = threading.Thread(target=trainer_side)
+    t.start()
+    secs = engine.setup_receiver(layouts, {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 2,
+                                           "sums": stream}, 1, True, 120)
+    t.join(120)
+    assert "sender" in box, box.get("error")
+    assert secs > 0 and engine._bstream == stream
+    for sync_id in (1, 2):   # the second over the same (warm) group: the path every later training step takes
+        res = {}
+        t = threading.Thread(target=lambda: res.update(r=box["sender"].send(iter(weights), version, sync_id=sync_id)))
         t.start()
-        secs = engine.setup_receiver(layouts, {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 2,
-                                               "sums": stream}, 1, True, 120)
+        got, metrics = engine.receive(sync_id, True)
         t.join(120)
-        assert "sender" in box, box.get("error")
-        assert secs > 0 and engine._bstream == stream
-        for sync_id in (1, 2):   # the second over the same (warm) group: the path every later training step takes
-            res = {}
-            t = threading.Thread(target=lambda: res.update(r=box["sender"].send(iter(weights), version, sync_id=sync_id)))
-            t.start()
-            got, metrics = engine.receive_broadcast(True, sync_id)
-            t.join(120)
-            sent = res["r"]
-            assert got == sent.checksums
-            assert {"load_s", "total_s"} <= set(metrics) and (stream or "transfer_s" in metrics)
-    else:
-        engine.setup_receiver(layouts, None, 0, True, 120)
-        sender = WeightSender(layouts, dev, ["s"])
-        sent = sender.send(iter(weights), version, deliver=lambda e, h, i, v: engine.receive_ipc(h, i, True),
-                           wait=lambda x: x)
-        assert sent.engine_checksums["s"] == sent.checksums
+        sent = res["r"]
+        assert got == sent.checksums
+        assert {"load_s", "total_s"} <= set(metrics) and (stream or "transfer_s" in metrics)
     assert engine.checksums([n for n, _ in weights]) == sent.checksums
     engine.finish_sync(version)
     engine.resume()
@@ -115,7 +107,7 @@ def test_colocated_stream_into_sglang_in_one_call_per_sync(engine, dirs):
     dev = torch.device("cuda", 0)
     models = [[(n, t.to(dev)) for n, t in named_weights(d, torch.bfloat16)] for d in dirs]
     layouts = plan_buckets([ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in models[0]], 64 * 1024)
-    assert engine.capabilities.streams == {"ipc", "broadcast"}   # a single-GPU engine takes both in one call (72a4c1d)
+    assert engine.capabilities.checks_loads == {"ipc", "broadcast"}   # a single-GPU engine takes both in one call (72a4c1d)
     engine.setup_receiver(layouts, None, 0, True, 120)
     sender = WeightSender(layouts, dev, ["s"], timeout_s=120)
     sender.attach_mailbox("s", engine.connect_stream(sender.buffer_handles(), 120))
@@ -126,7 +118,7 @@ def test_colocated_stream_into_sglang_in_one_call_per_sync(engine, dirs):
         sender.gpu_handover = sync_id != 3   # sync 3: the per-bucket host hand-over (weight_sync/mailbox.py)
         t = threading.Thread(target=lambda: res.update(r=sender.send(iter(models[k]), 10 + sync_id, sync_id=sync_id)))
         t.start()
-        got, metrics = engine.receive_stream(sync_id, True)
+        got, metrics = engine.receive(sync_id, True)
         t.join(120)
         assert got == res["r"].checksums and set(metrics) == {"load_s", "wait_s", "total_s", "on_device"}
         assert metrics["on_device"] == float(sender.gpu_handover), (sync_id, metrics)

@@ -109,9 +109,14 @@ def test_version_boundary_is_exact_through_an_ipc_sync(engine, dirs):
         ws = weights if rep % 2 == 0 else [(n, t.to(dev)) for n, t in named_weights(old_dir, torch.bfloat16)]
         t2 = time.perf_counter()
         engine.setup_receiver(layouts, None, 0, True, 120)
-        sender = WeightSender(layouts, dev, ["s"])
-        sent = sender.send(iter(ws), v, deliver=lambda e, h, i, ver: engine.receive_ipc(h, i, True), wait=lambda x: x)
-        assert sent.engine_checksums["s"] == sent.checksums
+        sender = WeightSender(layouts, dev, ["s"], timeout_s=120)
+        sender.attach_mailbox("s", engine.connect_stream(sender.buffer_handles(), 120))
+        res = {}
+        sending = threading.Thread(target=lambda: res.update(r=sender.send(iter(ws), v, sync_id=v)))
+        sending.start()
+        got, _ = engine.receive(v, True)   # checked in the scheduler against the trainer's checksums
+        sending.join(120)
+        assert got == res["r"].checksums
         t3 = time.perf_counter()
         engine.finish_sync(v)
         t4 = time.perf_counter()

@@ -55,7 +55,7 @@ def test_tp2_engine_replays_its_slices_and_serves_each_synced_model(dirs):
             res = {}
             t = threading.Thread(target=lambda: res.update(r=box["sender"].send(iter(ws[(k + 1) % 2]), 10 + k)))
             t.start()
-            got, _ = engine.receive_broadcast(True)
+            got, _ = engine.receive(0, True)
             t.join(120)
             assert got == res["r"].checksums
             engine.finish_sync(10 + k)

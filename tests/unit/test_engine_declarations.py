@@ -10,7 +10,7 @@ import pytest
 from rlhf_orch.config.schema import HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig
 from rlhf_orch.config import load_config
 from rlhf_orch.engines import HOOKS_ENV, engine_class, engine_options, hooks_from_env
-from rlhf_orch.engines.base import TRANSPORTS, Capabilities, streams_over
+from rlhf_orch.engines.base import TRANSPORTS, Capabilities, checks_over
 from rlhf_orch.engines.sglang import SGLangEngine   # imports no SGLang until an engine starts
 from rlhf_orch.engines.vllm import multicast_free
 from rlhf_orch.errors import ConfigError
@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_hf_engine_declares_what_its_decode_loop_and_receiver_do(tiny_model_dir):
     caps = engine_class("hf")(name="e", model_path=tiny_model_dir, seed=0).capabilities
     assert caps == Capabilities(partial_rollouts=True, reports_decode_steps=True, saves_rng=True)
-    assert not caps.own_receivers and caps.streams == TRANSPORTS   # the rollout actor's receiver, one call a sync
-    stepwise = engine_class("hf")(name="e", model_path=tiny_model_dir, seed=0, stepwise_sync=True)
-    assert not streams_over(stepwise, "ipc") and not streams_over(stepwise, "broadcast")   # the test hook's path
+    assert not caps.own_receivers and caps.checks_loads == TRANSPORTS   # the rollout actor's receiver checks both
+    unchecked = engine_class("hf")(name="e", model_path=tiny_model_dir, seed=0, unchecked_broadcast=True)
+    assert checks_over(unchecked, "ipc") and not checks_over(unchecked, "broadcast")   # the test hook's path
 
 
 def test_vllm_kinds_declare_their_receivers_and_streaming():
@@ -39,9 +39,9 @@ def test_sglang_capabilities_follow_its_tensor_parallelism(tp, streams, aborts):
     eng = object.__new__(SGLangEngine)
     eng.tensor_parallel_size = tp
     caps = eng.capabilities
-    assert caps.own_receivers and caps.streams == streams and caps.aborts_syncs == aborts
+    assert caps.own_receivers and caps.checks_loads == streams and caps.aborts_syncs == aborts
     assert not caps.partial_rollouts and not caps.concurrent_generate
-    assert streams_over(eng, "ipc") == streams_over(eng, "broadcast") == (tp == 1)
+    assert checks_over(eng, "ipc") == checks_over(eng, "broadcast") == (tp == 1)
 
 
 def test_tensor_parallel_engine_stays_off_multicast_where_the_cluster_turned_it_off(monkeypatch):
@@ -79,8 +79,8 @@ def test_test_hooks_come_from_the_environment_not_the_config(monkeypatch):
         load_config(ROOT / "configs/tiny_cpu.yaml", ["engines.0.decode_delay_s=0.5"])
     monkeypatch.delenv(HOOKS_ENV, raising=False)
     assert hooks_from_env(0) == {}
-    monkeypatch.setenv(HOOKS_ENV, '{"engines.1": {"sync_delay_s": 1, "stepwise_sync": 1}}')
-    assert hooks_from_env(0) == {} and hooks_from_env(1) == {"sync_delay_s": 1.0, "stepwise_sync": True}
+    monkeypatch.setenv(HOOKS_ENV, '{"engines.1": {"sync_delay_s": 1, "unchecked_broadcast": 1}}')
+    assert hooks_from_env(0) == {} and hooks_from_env(1) == {"sync_delay_s": 1.0, "unchecked_broadcast": True}
     with pytest.raises(ConfigError, match="hf engines only"):
         engine_options(VLLMEngineConfig(kind="vllm"), "m", "bfloat16", 0, hooks_from_env(1))
     monkeypatch.setenv(HOOKS_ENV, '{"engines.0": {"decode_delay": 1}}')

@@ -15,7 +15,9 @@ from rlhf_orch.types import ParamSpec
 from rlhf_orch.weight_sync.buckets import checksums, pack, plan_buckets
 from rlhf_orch.weight_sync.copysum import CopyPlan, Run
 from rlhf_orch.weight_sync.replay import LoadReplay
+from rlhf_orch.weight_sync.receiver import WeightReceiver
 from rlhf_orch.weight_sync.sender import WeightSender
+from weight_sync_helpers import in_process_streams
 
 HID, Q, KV, VOCAB, PAD_VOCAB = 8, 8, 4, 10, 16
 
@@ -164,9 +166,9 @@ def test_sender_checksums_equal_the_tensors_checksums_also_when_converting_dtype
     g = torch.Generator().manual_seed(1)
     tensors = {"a": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g),   # b: float32 -> bfloat16
                "c": torch.randn(8, generator=g)[::2]}                                    # c: strided
-    got = []
-    deliver = lambda engine, handle, index, version: index          # noqa: E731
-    res = sender.send(iter(tensors.items()), 0, deliver=deliver, wait=lambda token: got.append(token) or [])
+    recv = WeightReceiver(layouts, torch.device("cpu"), lambda named: None)   # takes the buckets, checks nothing
+    res, got = in_process_streams(sender, {"e": recv}, verify=False)(iter(tensors.items()))
+    assert got == {"e": []}
     want = checksums([tensors["a"], tensors["b"].to(torch.bfloat16), tensors["c"].contiguous()])
     assert res.checksums == want
 

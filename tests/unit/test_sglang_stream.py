@@ -148,7 +148,7 @@ def _assert_abort_ends_the_receive(receive, flag, sync_id: int) -> None:
 
 def test_two_syncs_in_one_call_each_then_replayed_copies_follow_the_weights(tmp_path):
     model, eng, sender = _setup(tmp_path)
-    assert eng.capabilities.streams == {"ipc", "broadcast"}
+    assert eng.capabilities.checks_loads == {"ipc", "broadcast"}
     for sync_id in (1, 2, 3):
         if sync_id == 3:   # re-installing the load wrapper (verify off for SGLang's own calls) keeps the stream
             install(model, {"dir": str(tmp_path), "verify": False}, 0, "cpu")
@@ -196,7 +196,7 @@ def test_stream_before_connect_and_unknown_requests_are_refused(tmp_path):
     with pytest.raises(RuntimeError, match="only serves rlhf_orch's own requests"):
         hook(model, [("model.embed_tokens.weight", torch.zeros(1))])
     eng.tensor_parallel_size = 2
-    assert eng.capabilities.streams == frozenset()
+    assert eng.capabilities.checks_loads == frozenset()
     with pytest.raises(EngineError, match="single-GPU engine"):
         eng.connect_stream([], 10)
 

@@ -49,7 +49,7 @@ def _receiver_child(layouts, port, flag_path, sync_id, expect_sums, q):
         q.put(("joined", 0.0, ""))
         t0 = time.monotonic()
         try:
-            recv.receive_broadcast(verify=False, sync_id=sync_id)
+            recv.receive(sync_id, verify=False)
             q.put(("finished", time.monotonic() - t0, ""))
         except BaseException as e:
             q.put((type(e).__name__, time.monotonic() - t0, str(e)[:300]))
@@ -136,8 +136,8 @@ def test_aborted_broadcast_receiver_lets_go_at_once_and_closes_without_waiting()
 
 
 def test_a_failing_sender_frees_broadcast_receivers_without_any_abort():
-    """The colocated engine's side fails at the end of the sync (its wait raises, as the mailbox does when the
-    engine's process is gone). Rank 0 then leaves the group, so the broadcast receiver, which has no abort flag and
+    """The colocated engine gives up on the sync (its mailbox says so, as it does when the engine's receive fails), so
+    the sender's wait for it raises. Rank 0 then leaves the group, so the broadcast receiver, which has no abort flag and
     waits for the checksums that follow the buckets, fails at once (its group's timeout is 30 s)."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     layouts = plan_buckets(MODEL, BUCKET)
@@ -150,14 +150,14 @@ def test_a_failing_sender_frees_broadcast_receivers_without_any_abort():
         flag = AbortFlag.create()
         flag.unlink()   # this process's mapping is all the sender needs
         sender = WeightSender(layouts, CPU, ipc_engines=["colocated"], group=group, bcast_sums=True, abort_flag=flag)
-
-        def wait(token):
-            time.sleep(0.3)   # the receiver is now waiting for the checksums
-            raise WeightSyncError("colocated loading bucket 0: the engine's process 12345 is gone")
+        colocated = WeightReceiver(layouts, CPU, lambda named: None)   # connected, then gives up without a receive
+        sender.attach_mailbox("colocated", colocated.connect_stream(sender.buffer_handles(), GROUP_TIMEOUT_S))
+        # The broadcast receiver is waiting for the checksums by the time the colocated engine gives up.
+        threading.Timer(0.3, colocated.abort_stream).start()
 
         t0 = time.monotonic()
-        with pytest.raises(WeightSyncError, match="is gone"):
-            sender.send(iter(_values()), 1, deliver=lambda *a: a, wait=wait, sync_id=9)
+        with pytest.raises(WeightSyncError, match="gave up"):
+            sender.send(iter(_values()), 1, sync_id=9)
         assert sender.group is None and time.monotonic() - t0 < 5
         how, secs, msg = q.get(timeout=CHILD_TIMEOUT_S)
         assert how in ("RuntimeError", "DistBackendError") and secs < 5, (how, secs, msg)

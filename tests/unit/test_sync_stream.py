@@ -48,7 +48,7 @@ def _stream_engine(layouts, conn, n_syncs, corrupt):
         conn.send(("ok", recv.connect_stream(handles, timeout_s)))
         for sync_id in range(1, n_syncs + 1):
             try:
-                sums, timings = recv.receive_stream(sync_id)
+                sums, timings = recv.receive(sync_id)
             except WeightSyncError as e:
                 conn.send(("refused", str(e)))
                 return
@@ -65,7 +65,7 @@ def _broadcast_engine(layouts, port, n_syncs, q, corrupt):
         recv.join_group("gloo", HOST, port, 1, 2, GROUP_TIMEOUT_S, expect_sums=True)
         for _ in range(n_syncs):
             try:
-                sums, _ = recv.receive_broadcast()
+                sums, _ = recv.receive(0)
             except WeightSyncError as e:
                 q.put(("refused", str(e)))
                 return
@@ -106,10 +106,10 @@ def test_stream_and_self_verifying_broadcast_two_syncs_without_a_call_per_bucket
     try:
         for sync_id, version in ((1, 5), (2, 6)):
             values = _values(version)
-            # No deliver/wait callables: the stream engine is fed through its mailbox only.
+            # No call per bucket: the stream engine is fed through its mailbox only.
             res = sender.send(iter(list(values.items())), version, sync_id=sync_id)
             want = checksums(values[s.name] for s in MODEL)
-            assert res.checksums == want and res.engine_checksums == {}
+            assert res.checksums == want
             status, (sums_a, params_a, timings) = _answer(parent)
             assert status == "ok" and sums_a == want and timings == ["load_s", "on_device", "total_s", "wait_s"]
             status, (sums_b, params_b) = q.get(timeout=CHILD_TIMEOUT_S)

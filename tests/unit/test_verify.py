@@ -1,15 +1,20 @@
 """A sync whose engine does not end up holding the sender's bytes must be caught.
 
 Real sender and receivers over the ipc transport (shared memory, in one process); one receiver's
-load skips a tensor, as a buggy engine loader would. No actors: the rule itself is under test here,
-and the Ray integration test runs the same function inside the coordinator on every step.
+load skips a tensor, as a buggy engine loader would. That engine refuses the sync itself (its stream compares every
+tensor with the trainer's checksums), and the coordinator's rule, which engines without that check rely on
+(tensor-parallel SGLang), names the same tensor from the checksums it reports. No actors: the rule itself is under
+test here, and the Ray integration tests run the same function inside the coordinator on every step.
 """
+import pytest
 import torch
 
+from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.types import ParamSpec
 from rlhf_orch.weight_sync import WeightReceiver, WeightSender, make_plan, plan_buckets
 from rlhf_orch.weight_sync.buckets import checksums
 from rlhf_orch.weight_sync.verify import mismatches
+from weight_sync_helpers import in_process_streams
 
 
 def _engine(params, skip=None):
@@ -32,10 +37,15 @@ def test_skipped_tensor_is_reported_and_good_engine_passes():
         params = {n: torch.zeros_like(t) for n, t in trainer.items()}
         load, sums = _engine(params, skip)
         engines[name] = WeightReceiver(layouts, torch.device("cpu"), load, sums)
-    sender = WeightSender(layouts, torch.device("cpu"), ["good", "bad"])
-    res = sender.send(iter(trainer.items()), 1,
-                      deliver=lambda e, h, i, v: engines[e].receive_ipc(h, i), wait=lambda sums: sums)
-    lines = mismatches(plan, layouts, [res.checksums, []], [res.engine_checksums, {}], {})
+    sender = WeightSender(layouts, torch.device("cpu"), ["good", "bad"], timeout_s=30)
+    sync = in_process_streams(sender, engines, timeout_s=30)
+    with pytest.raises(WeightSyncError, match="gave up"):
+        sync(iter(trainer.items()))
+    want = checksums(trainer.values())
+    good = [engines["good"].last_sums[n] for n in trainer]
+    bad = [engines["bad"].last_sums[n] for n in trainer]   # what the bad engine holds, as it would report it
+    assert good == want
+    lines = mismatches(plan, layouts, [want, []], [{"good": good, "bad": bad}, {}], {})
     assert len(lines) == 1
     assert lines[0].startswith("bad (ipc): 6 checksums vs 6 expected; first differing tensors: ['layer4.weight']")
 

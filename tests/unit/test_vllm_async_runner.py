@@ -286,9 +286,9 @@ def test_generate_from_several_threads_at_once(make_runner):
 
 def test_utility_calls_forward(make_runner):
     runner, fake = make_runner()
-    assert runner.collective_rpc("rlhf_receive_broadcast", args=[True], timeout=3) == \
-        ["rlhf_receive_broadcast:rank0", "rlhf_receive_broadcast:rank1"]
-    assert fake.rpc_calls == [("rlhf_receive_broadcast", (True,), None, 3)]
+    assert runner.collective_rpc("rlhf_receive", args=[True], timeout=3) == \
+        ["rlhf_receive:rank0", "rlhf_receive:rank1"]
+    assert fake.rpc_calls == [("rlhf_receive", (True,), None, 3)]
     assert runner.is_paused() is False
     runner.pause("wait", clear_cache=True)
     assert fake.pause_calls == [("wait", True)] and runner.is_paused()

@@ -1,5 +1,6 @@
-"""Weight sync across real processes: zero-copy IPC handles, the sender feeding ipc and gloo-broadcast receivers,
-and the sender's error paths. Children are always joined with a timeout and killed in `finally`."""
+"""Weight sync across real processes: zero-copy IPC handles, the sender feeding an ipc stream and a gloo-broadcast
+receiver whose loads the coordinator checks, and the sender's error paths. Children are always joined with a timeout
+and killed in `finally`."""
 
 import multiprocessing as mp
 import os
@@ -11,27 +12,26 @@ from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync.buckets import checksums, plan_buckets
 from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
-from rlhf_orch.weight_sync.ipc import HandleCache, IpcHandle, allocate_shared, export_handle, open_handle
+from rlhf_orch.weight_sync.ipc import IpcHandle, allocate_shared, export_handle, open_handle
 from rlhf_orch.weight_sync.mailbox import SLOTS
 from rlhf_orch.weight_sync.receiver import WeightReceiver
 from rlhf_orch.weight_sync.sender import SendResult, WeightSender
-from weight_sync_helpers import CPU, HOST, CHILD_TIMEOUT_S, GROUP_TIMEOUT_S, assert_bit_equal, spec, stop_children
+from weight_sync_helpers import (CPU, HOST, CHILD_TIMEOUT_S, GROUP_TIMEOUT_S, assert_bit_equal, in_process_streams, spec,
+                                 stop_children)
 
 
 # ============================================================================ ipc across processes
 
 def _ipc_child(handle: IpcHandle, other: IpcHandle, q):
     try:
-        cache = HandleCache()
-        t = cache.open(handle)
-        same = cache.open(handle) is t
-        other_t = cache.open(other)
+        t = open_handle(handle)
+        other_t = open_handle(other)
         seen = t.clone().tolist()
         t[:] = torch.arange(t.numel(), dtype=torch.uint8) * 3 + 1      # write through the mapping
         other_t.fill_(0x5A)
-        q.put(("ok", seen, same, other_t is t))
+        q.put(("ok", seen, other_t.data_ptr() != t.data_ptr()))
     except BaseException as e:  # report, never hang the parent
-        q.put(("error", repr(e), None, None))
+        q.put(("error", repr(e), None))
 
 
 def test_ipc_handle_is_zero_copy_across_processes():
@@ -48,33 +48,26 @@ def test_ipc_handle_is_zero_copy_across_processes():
     p = ctx.Process(target=_ipc_child, args=(h, h2, q), daemon=True)
     p.start()
     try:
-        status, seen, same, aliased = q.get(timeout=CHILD_TIMEOUT_S)
+        status, seen, apart = q.get(timeout=CHILD_TIMEOUT_S)
         assert status == "ok", seen
         p.join(CHILD_TIMEOUT_S)
         assert p.exitcode == 0
     finally:
         stop_children([p])
     assert seen == [2 * i for i in range(64)]                 # the child read the parent's bytes
-    assert same is True and aliased is False                   # cache: one tensor per buffer id
+    assert apart is True                                       # two handles, two mappings
     assert buf.tolist() == [(3 * i + 1) % 256 for i in range(64)]   # the parent sees the child's write
     assert buf2.tolist() == [0x5A] * 32
 
 
-def test_handle_cache_in_process_returns_same_mapped_tensor():
+def test_a_handle_opened_in_process_maps_the_same_pages():
     bid, buf = allocate_shared(16, CPU)
-    h = export_handle(bid, buf)
-    cache = HandleCache()
-    t = cache.open(h)
-    assert cache.open(h) is t
-    assert cache.open(IpcHandle(bid, h.device, h.payload)) is t     # keyed by buffer id
+    t = open_handle(export_handle(bid, buf))
     t[3] = 77
     assert int(buf[3]) == 77                                       # same pages
-    cache.clear()
-    t2 = cache.open(export_handle(bid, buf))
-    assert t2 is not t
     buf[5] = 9
-    assert int(t2[5]) == 9
-    assert int(open_handle(export_handle(bid, buf))[3]) == 77
+    assert int(t[5]) == 9
+    assert int(open_handle(IpcHandle(bid, "cpu", export_handle(bid, buf).payload))[3]) == 77
 
 
 # ============================================================================ sender -> receivers
@@ -123,7 +116,7 @@ def _broadcast_engine(layouts, port, n_syncs, q):
         params, recv = _make_receiver(layouts)
         recv.join_group("gloo", HOST, port, 1, 2, GROUP_TIMEOUT_S)
         for _ in range(n_syncs):
-            sums, timings = recv.receive_broadcast()
+            sums, timings = recv.receive(0)
             q.put(("ok", sums, _dump(params), sorted(timings)))
         recv.close()
     except BaseException as e:
@@ -131,20 +124,17 @@ def _broadcast_engine(layouts, port, n_syncs, q):
 
 
 def _ipc_engine(layouts, conn):
-    """Engine "A": receives IPC handles over a pipe, acks each bucket with its checksums."""
+    """Engine "A": opens the sender's ring buffers once, then takes each sync through its mailbox."""
     try:
         params, recv = _make_receiver(layouts)
-        buffer_ids = set()
+        handles, timeout_s = conn.recv()
+        conn.send(("ok", recv.connect_stream(handles, timeout_s)))
         while conn.poll(CHILD_TIMEOUT_S):
             msg = conn.recv()
-            if msg[0] == "ipc":
-                _, handle, index, version = msg
-                buffer_ids.add(handle.buffer_id)
-                conn.send(("ok", (index, version, recv.receive_ipc(handle, index))))
-            elif msg[0] == "dump":
-                conn.send(("ok", (_dump(params), sorted(buffer_ids))))
-            else:
+            if msg[0] != "sync":
                 break
+            sums, _ = recv.receive(msg[1])
+            conn.send(("ok", (sums, _dump(params), len(recv.transport.bufs))))
         recv.close()
     except BaseException as e:
         conn.send(("error", repr(e)))
@@ -165,7 +155,9 @@ def _assert_params_equal(got: dict, want: dict[str, torch.Tensor], who: str):
         assert_bit_equal(torch.from_numpy(got[name]), t, f"{who}: {name}")
 
 
-def test_sender_to_ipc_and_broadcast_receivers_two_syncs():
+def test_sender_to_an_ipc_stream_and_a_broadcast_receiver_two_syncs():
+    """Rank 0 feeds a colocated engine through its stream and a broadcast engine that gets no checksums (its loads
+    are checked by the coordinator, as tensor-parallel SGLang's are): both hold the trainer's exact weights, twice."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     layouts = plan_buckets(MODEL, MODEL_BUCKET)
     assert len(layouts) == 5 and layouts[3].names == ["lm_head.weight"]   # > SLOTS, one oversize
@@ -181,21 +173,11 @@ def test_sender_to_ipc_and_broadcast_receivers_two_syncs():
     try:
         group = BroadcastGroup("gloo", HOST, port, 0, 2, GROUP_TIMEOUT_S)
         assert group.warmup() == 1.0
-        sender = WeightSender(layouts, CPU, ipc_engines=["A"], group=group)
-        delivered: list[tuple[str, str, int, int]] = []
-        acks: dict[tuple[int, int], list[int]] = {}     # (version, bucket) -> engine A's checksums
-
-        def deliver(engine, handle, index, version):
-            delivered.append((engine, handle.buffer_id, index, version))
-            parent_conn.send(("ipc", handle, index, version))
-            return version, index
-
-        def wait(token):
-            # Like a Ray ObjectRef: the token's own answer, whatever order the sender waits in.
-            while token not in acks:
-                index, version, sums = _recv_pipe(parent_conn)
-                acks[(version, index)] = sums
-            return acks.pop(token)
+        sender = WeightSender(layouts, CPU, ipc_engines=["A"], group=group, timeout_s=CHILD_TIMEOUT_S)
+        handles = sender.buffer_handles()
+        assert len({h.buffer_id for h in handles}) == SLOTS       # bucket k goes through ring buffer k % SLOTS
+        parent_conn.send((handles, CHILD_TIMEOUT_S))
+        sender.attach_mailbox("A", _recv_pipe(parent_conn))
 
         def get_b():
             status, sums, params, timings = q.get(timeout=CHILD_TIMEOUT_S)
@@ -204,31 +186,19 @@ def test_sender_to_ipc_and_broadcast_receivers_two_syncs():
             return sums, params
 
         layout_bytes = sum(b.nbytes for b in layouts)
-        buffer_ids = None
         for version in (1, 2):
             values = _model_values(version)
-            res = sender.send(iter(list(values.items())), version, deliver, wait)
+            parent_conn.send(("sync", version))
+            res = sender.send(iter(list(values.items())), version, sync_id=version)
             assert isinstance(res, SendResult)
             assert res.checksums == checksums(values[s.name] for s in MODEL)
             assert res.bytes == layout_bytes
-            assert res.engine_checksums == {"A": res.checksums}
-
+            sums_a, params_a, opened = _recv_pipe(parent_conn)
+            assert sums_a == res.checksums and opened == SLOTS
+            _assert_params_equal(params_a, values, f"engine A v{version}")
             sums_b, params_b = get_b()
             assert sums_b == res.checksums
             _assert_params_equal(params_b, values, f"engine B v{version}")
-            parent_conn.send(("dump",))
-            params_a, ids_a = _recv_pipe(parent_conn)
-            _assert_params_equal(params_a, values, f"engine A v{version}")
-
-            this = [d for d in delivered if d[3] == version]
-            assert [d[2] for d in this] == [b.index for b in layouts]       # every bucket, in order, once
-            ids = [d[1] for d in this]
-            # Bucket k goes through ring buffer k % SLOTS: SLOTS distinct buffers, each reused in turn.
-            assert len(set(ids[:SLOTS])) == SLOTS and ids == [ids[k % SLOTS] for k in range(len(ids))], ids
-            if buffer_ids is None:
-                buffer_ids = set(ids)
-            assert set(ids) == buffer_ids and ids_a == sorted(buffer_ids)   # the same buffers on sync 2
-        assert len(buffer_ids) == SLOTS
 
         parent_conn.send(("stop",))
         pa.join(CHILD_TIMEOUT_S)
@@ -247,6 +217,8 @@ SMALL = [spec("layer.0.weight", "float32", 4), spec("layer.1.weight", "float32",
 
 
 def _ipc_sender_and_receiver(bucket_bytes=512):
+    """A sender and a colocated receiver in this process: `sync(named)` sends while a thread receives, and returns
+    the sender's result and the receiver's checksums (tests/weight_sync_helpers.in_process_streams)."""
     layouts = plan_buckets(SMALL, bucket_bytes)
     params = {s.name: torch.zeros(s.shape) for s in SMALL}
 
@@ -255,53 +227,65 @@ def _ipc_sender_and_receiver(bucket_bytes=512):
             params[n].copy_(t)
 
     recv = WeightReceiver(layouts, CPU, load_fn, lambda names: checksums(params[n] for n in names))
-    sender = WeightSender(layouts, CPU, ipc_engines=["A"])
+    sender = WeightSender(layouts, CPU, ipc_engines=["A"], timeout_s=CHILD_TIMEOUT_S)
+    stream = in_process_streams(sender, {"A": recv})
 
-    def deliver(engine, handle, index, version):
-        return recv.receive_ipc(handle, index)
+    def sync(named):
+        res, got = stream(named)
+        return res, {"sums": got["A"]}
 
-    return sender, params, deliver, (lambda token: token)
+    return sender, params, sync
 
 
 @pytest.mark.parametrize("bucket_bytes,n_buckets", [(4096, 1), (1536, 2), (512, 3), (256, 4)])
 def test_sender_in_process_ipc_acks_in_layout_order(bucket_bytes, n_buckets):
-    sender, params, deliver, wait = _ipc_sender_and_receiver(bucket_bytes)
+    sender, params, sync = _ipc_sender_and_receiver(bucket_bytes)
     assert len(sender.layouts) == n_buckets
     values = {s.name: torch.randn(s.shape) for s in SMALL}
-    res = sender.send(iter(values.items()), 1, deliver, wait)
+    res, got = sync(iter(values.items()))
     # The coordinator compares these lists element by element: both must be in layout order.
     assert res.checksums == checksums(values.values())
-    assert res.engine_checksums == {"A": res.checksums}
+    assert got == {"sums": res.checksums}
     assert res.bytes == sum(b.nbytes for b in sender.layouts)
     for n, t in values.items():
         assert_bit_equal(params[n], t, n)
-    with pytest.raises(ValueError, match="deliver and wait"):
-        sender.send(iter(values.items()), 2)
+
+
+def test_an_ipc_engine_without_a_stream_is_refused_before_anything_is_sent():
+    layouts = plan_buckets(SMALL, 512)
+    sender = WeightSender(layouts, CPU, ipc_engines=["A", "B"])
+    recv = WeightReceiver(layouts, CPU, lambda items: None)
+    sender.attach_mailbox("A", recv.connect_stream(sender.buffer_handles(), 5.0))
+    with pytest.raises(WeightSyncError, match=r"\['B'\] have no stream"):
+        sender.send(iter((s.name, torch.ones(s.shape)) for s in SMALL), 1, sync_id=1)
+    with pytest.raises(ValueError, match="not an ipc engine"):
+        WeightSender(layouts, CPU).attach_mailbox("A", b"x")
+    recv.close()
 
 
 def test_sender_rejects_wrong_order():
-    sender, _, deliver, wait = _ipc_sender_and_receiver()
+    sender, _, sync = _ipc_sender_and_receiver()
     t = {s.name: torch.ones(s.shape) for s in SMALL}
     wrong = [("layer.1.weight", t["layer.1.weight"]), ("layer.0.weight", t["layer.0.weight"]),
              ("layer.2.bias", t["layer.2.bias"]), ("layer.3.weight", t["layer.3.weight"])]
     with pytest.raises(WeightSyncError, match=r"'layer\.0\.weight'"):
-        sender.send(iter(wrong), 1, deliver, wait)
+        sync(iter(wrong))
     # Order wrong only in a later bucket.
     wrong_late = [("layer.0.weight", t["layer.0.weight"]), ("layer.1.weight", t["layer.1.weight"]),
                   ("layer.2.weight", t["layer.2.bias"]), ("layer.3.weight", t["layer.3.weight"])]
     with pytest.raises(WeightSyncError, match=r"layer\.2\.bias"):
-        sender.send(iter(wrong_late), 1, deliver, wait)
+        sync(iter(wrong_late))
 
 
 def test_sender_rejects_too_few_and_too_many_tensors():
-    sender, _, deliver, wait = _ipc_sender_and_receiver()
+    sender, _, sync = _ipc_sender_and_receiver()
     t = [(s.name, torch.ones(s.shape)) for s in SMALL]
     with pytest.raises(WeightSyncError, match=r"fewer.*layer\.2\.bias"):
-        sender.send(iter(t[:2]), 1, deliver, wait)
+        sync(iter(t[:2]))
     with pytest.raises(WeightSyncError, match="fewer"):
-        sender.send(iter([]), 1, deliver, wait)
+        sync(iter([]))
     with pytest.raises(WeightSyncError, match="more tensors"):
-        sender.send(iter(t + [("extra", torch.ones(1))]), 1, deliver, wait)
+        sync(iter(t + [("extra", torch.ones(1))]))
 
 
 def test_inactive_sender_drains_iterator_and_returns_empty_result():
@@ -317,7 +301,7 @@ def test_inactive_sender_drains_iterator_and_returns_empty_result():
 
     res = sender.send(gen(), 3)
     assert consumed == [s.name for s in SMALL]
-    assert res.checksums == [] and res.engine_checksums == {} and res.bytes == 0 and res.total_s == 0.0
+    assert res.checksums == [] and res.bytes == 0 and res.total_s == 0.0
 
 
 
@@ -328,18 +312,18 @@ def test_a_staged_send_carries_the_weights_of_the_stage_not_later_ones():
     """The trainer stages version 1, then trains on (its live weights change) while the staged copy is sent: the
     engine gets version 1 exactly, and its checksums are version 1's. A replacement sender (a re-plan after a fault)
     keeps the staged copy, so the failed sync can be sent again; a fresh one refuses to send without a stage."""
-    sender, params, deliver, wait = _ipc_sender_and_receiver(512)
+    sender, params, sync = _ipc_sender_and_receiver(512)
     live = {s.name: torch.randn(s.shape) for s in SMALL}
     v1 = {n: t.clone() for n, t in live.items()}
     stage = sender.stage(iter(live.items()), 1)
     assert sender.staged_version == 1 and stage["stage_gb"] == pytest.approx(sum(t.numel() * 4 for t in v1.values()) / 2**30)
     for t in live.values():
         t.add_(1.0)                                   # the next train step
-    res = sender.send(sender.staged(), 1, deliver, wait)
-    assert res.checksums == checksums(v1.values()) == res.engine_checksums["A"]
+    res, got = sync(sender.staged())
+    assert res.checksums == checksums(v1.values()) == got["sums"]
     for n, t in v1.items():
         assert_bit_equal(params[n], t, n)
-    again, _, _, _ = _ipc_sender_and_receiver(512)
+    again, _, _ = _ipc_sender_and_receiver(512)
     with pytest.raises(WeightSyncError, match="without a stage"):
         again.staged()
     again.adopt_stage(*sender.kept_stage())
@@ -351,12 +335,12 @@ def test_a_staged_send_carries_the_weights_of_the_stage_not_later_ones():
 def test_release_takes_the_cpu_buffers_names_out_of_dev_shm_and_a_sync_still_works():
     """A trainer rank about to be killed (the run's end) releases its sender: the ring buffers' /dev/shm names go
     (each run used to leave them there), the mapped pages stay, so a sync in flight or a mapped receiver still works."""
-    sender, params, deliver, wait = _ipc_sender_and_receiver(1536)
+    sender, params, sync = _ipc_sender_and_receiver(1536)
     names = ["/dev/shm/" + b.untyped_storage()._share_filename_cpu_()[1].decode().lstrip("/") for _, b in sender._bufs]
     assert names and all(os.path.exists(n) for n in names)
     sender.release()
     assert not any(os.path.exists(n) for n in names)
     values = {s.name: torch.randn(s.shape) for s in SMALL}
-    res = sender.send(iter(values.items()), 1, deliver, wait)
+    res, _ = sync(iter(values.items()))
     assert res.checksums == checksums(values.values()) and all(torch.equal(params[n], v) for n, v in values.items())
     sender.release()   # twice: nothing left to remove
