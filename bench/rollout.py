@@ -98,7 +98,8 @@ def engine_kwargs(args, model_path: str) -> dict:
 
 def engine_section(args):
     """Our side's engine, as a config names it (the same options engine_kwargs gives the bare side)."""
-    from rlhf_orch.config.schema import HFEngineConfig, VLLMEngineConfig
+    from rlhf_orch.config.engines.hf import HFEngineConfig
+    from rlhf_orch.config.engines.vllm import VLLMEngineConfig
     if args.dry_run:
         return HFEngineConfig(kind="hf")
     return VLLMEngineConfig(kind="vllm", gpu_memory_utilization=args.gpu_mem, enable_sleep_mode=args.sleep_mode,

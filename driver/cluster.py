@@ -31,6 +31,7 @@ from driver.ray_session import init_ray
 from driver.recovery import EngineRecovery
 from rlhf_orch.config import engine_names
 from rlhf_orch.config.checks import pause_mode
+from rlhf_orch.config.engines import kind_of
 from rlhf_orch.engines import hooks_from_env
 from rlhf_orch.errors import EngineError, RewardError, RolloutError, WeightSyncError
 from rlhf_orch.metrics.timeline import Timeline
@@ -88,10 +89,9 @@ class Cluster(EngineRecovery):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
         init_ray(cfg)   # or join the cluster / the Ray already up; launch.py stops a Ray started here
-        if any(e.kind == "sglang" for e in cfg.engines):
-            # SGLang turns NCCL's cuMem allocator off in its processes (engine.py:1583); a trainer-side end of
-            # the same communicator with it on fails its first broadcast ("unhandled cuda error").
-            os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+        for e in cfg.engines:   # what an engine kind needs of every process, before any starts (SGLang: NCCL's cuMem)
+            for k, v in kind_of(e).driver_env.items():
+                os.environ.setdefault(k, v)
         if not cfg.resume:
             self.checkpoints.clear_snapshots()   # an earlier run's step snapshots: stale for this one
         state = self.checkpoints.find() if cfg.resume else None   # read once

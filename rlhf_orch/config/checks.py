@@ -12,6 +12,7 @@ from pathlib import Path
 from rlhf_orch.algorithms.base import algorithm_names, make_algorithm
 from rlhf_orch.algorithms.losses import KL_ESTIMATORS, LOSS_AGG_MODES
 from rlhf_orch.algorithms.off_policy import resolve_off_policy
+from rlhf_orch.config.engines import KINDS, kind_of, kind_problems
 from rlhf_orch.config.nodes import node_problems
 from rlhf_orch.storage import storage_problems
 from rlhf_orch.config.schema import ExperimentConfig, RolloutSection, engine_names
@@ -66,9 +67,10 @@ def engines_that_cannot_stop(cfg: ExperimentConfig) -> list[tuple[int, str, str]
     """(index, kind, fix) of every engine whose requests cannot stop between two decode steps (park or abort)."""
     out = []
     for i, e in enumerate(cfg.engines):
-        if e.kind not in PARTIAL_ROLLOUT_KINDS and not getattr(e, "streaming", False):
-            fix = (f"set engines.{i}.streaming: true" if e.kind in ("vllm", "sglang")
-                   else f"use kind {' or '.join(PARTIAL_ROLLOUT_KINDS)}, or vllm/sglang with streaming: true")
+        kind = kind_of(e)
+        if not kind.can_stop_mid_request(e):
+            fix = (f"set engines.{i}.streaming: true" if kind.streaming_engine else "use a kind that pauses between "
+                   f"decode steps: {', '.join(k.name for k in KINDS.values() if k.parks_mid_request or k.streaming_engine)}")
             out.append((i, e.kind, fix))
     return out
 
@@ -177,10 +179,7 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
     for i, e in enumerate(cfg.engines):
         if e.placement == "colocated" and e.tensor_parallel_size > 1:
             p.append(f"engines.{i}.tensor_parallel_size: colocated engines use one device each; set it to 1 or placement: dedicated")
-        if e.kind == "hf" and e.tensor_parallel_size > 1:
-            p.append(f"engines.{i}.tensor_parallel_size: the hf engine has no tensor parallelism; set it to 1 or use kind: vllm")
-        if e.kind in ("vllm", "sglang") and cfg.trainer.device != "cuda":
-            p.append(f"engines.{i}.kind: {e.kind} needs GPUs; set trainer.device: cuda or use kind: hf")
+        p.extend(kind_problems(i, e, cfg))   # what its kind cannot do, and the kind's own checks (config/engines/)
         if e.sampling.max_new_tokens + cfg.data.max_prompt_tokens > cfg.model.tiny.max_position_embeddings and cfg.model.path.startswith("builtin:"):
             p.append(f"engines.{i}.sampling.max_new_tokens: prompt ({cfg.data.max_prompt_tokens}) + response "
                      f"({e.sampling.max_new_tokens}) exceed model.tiny.max_position_embeddings "
@@ -197,10 +196,6 @@ def cross_field_problems(cfg: ExperimentConfig) -> list[str]:
     for i, e in enumerate(cfg.engines):
         if e.sleep_level and e.placement != "colocated":
             p.append(f"engines.{i}.sleep_level: only colocated engines sleep (they share the trainer's GPU); set it to 0")
-        if e.kind == "vllm" and e.streaming and e.sleep_level:
-            p.append(f"engines.{i}.streaming: a streaming vLLM engine does not sleep here yet; set sleep_level: 0 or streaming: false")
-        if e.sleep_level and e.kind == "vllm" and not e.enable_sleep_mode:
-            p.append(f"engines.{i}.sleep_level: vLLM sleeps only with enable_sleep_mode: true; set it or sleep_level: 0")
     p.extend(rollout_problems(cfg))
     p.extend(ray_problems(cfg) + node_problems(cfg))
     if cfg.trainer.offload and cfg.trainer.zero_stage == 0:
@@ -435,7 +430,6 @@ def packing_problems(cfg: ExperimentConfig) -> list[str]:
 # Generate calls that may wait for their turn in one engine actor (deterministic mode): the actor runs 64 calls at once
 # (actors/rollout.py max_concurrency) and its pause, sync and health calls need threads too.
 DETERMINISTIC_MAX_QUEUED_CALLS = 32
-PARTIAL_ROLLOUT_KINDS = ("hf",)   # engine kinds whose decode loop can park mid-request (plus vllm, sglang with streaming)
 
 
 def rollout_problems(cfg: ExperimentConfig) -> list[str]:

@@ -19,7 +19,8 @@ from typing import Annotated, Any, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from rlhf_orch.config.schema import ENGINE_KINDS, ExperimentConfig
+from rlhf_orch.config.engines import ENGINE_KINDS
+from rlhf_orch.config.schema import ExperimentConfig
 from rlhf_orch.errors import ConfigError, RewardError
 from rlhf_orch.rewards import NO_FUNCTION, is_dense, load_reward_fn
 

@@ -2,7 +2,8 @@
 
 Cross-field rules live in one validator (`ExperimentConfig._cross_checks`) that reports every problem
 at once, each naming the field and the fix. The engine section is a list of entries chosen by `kind`
-(a discriminated union, engine_sections.py), so vLLM/SGLang options are validated without importing either package.
+(a discriminated union built from the engine kinds' plug-ins, config/engines/), so vLLM/SGLang options are validated
+without importing either package.
 
 This module only describes and validates; loading YAML, overrides and imports of user code live in loader.py.
 """
@@ -14,9 +15,8 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError   # RewardSection's messages, without pydantic's "Value error," prefix
 
 from rlhf_orch.config.base import _Section
-# The engine entries live in their own module; re-exported here, where the rest of the config is.
-from rlhf_orch.config.engine_sections import (ENGINE_KINDS, EngineConfig, HFEngineConfig, SamplingSection,  # noqa: F401
-                                              SGLangEngineConfig, VLLMEngineConfig)
+# The engine entries: one config class per kind, each in its kind's plug-in (config/engines/); re-exported here.
+from rlhf_orch.config.engines import EngineConfig
 from rlhf_orch.config.nodes import NodesSection
 from rlhf_orch.config.run_sections import ExperimentSection, RaySection  # noqa: F401 (re-exported)
 from rlhf_orch.metrics.trackers import renamed_keys_message, tracker_problems, wandb_online_problem

@@ -1,7 +1,8 @@
 """Rollout engines behind one Protocol, created by `kind` through a lazy registry.
 
-Importing rlhf_orch.engines imports no engine library: `engine_class("vllm")` imports vLLM only when
-a vLLM engine is actually built.
+The registry is the engine kinds' plug-ins (rlhf_orch/config/engines/: each names its engine classes, its extra and
+what its engine needs besides its entry's fields). Importing rlhf_orch.engines imports no engine library:
+`engine_class("vllm")` imports vLLM only when a vLLM engine is actually built.
 """
 from __future__ import annotations
 
@@ -9,32 +10,26 @@ import importlib
 import json
 import os
 
+from rlhf_orch.config.engines import DRIVER_FIELDS, ENGINE_KINDS, KINDS, kind_of
 from rlhf_orch.engines.base import RolloutEngine, SamplingParams
 from rlhf_orch.errors import ConfigError
 
-_REGISTRY = {
-    "hf": "rlhf_orch.engines.hf:HFEngine",
-    "vllm": "rlhf_orch.engines.vllm:VLLMEngine",
-    "sglang": "rlhf_orch.engines.sglang:SGLangEngine",
-    "vllm-streaming": "rlhf_orch.engines.vllm_async:StreamingVLLMEngine",   # kind vllm with streaming: true
-    "sglang-streaming": "rlhf_orch.engines.sglang_async:StreamingSGLangEngine",   # kind sglang with streaming: true
-}
-_PUBLIC = ("hf", "vllm", "sglang")
+# registry key -> (its kind, "module:Class"); `<kind>-streaming` for entries with streaming: true
+_REGISTRY = {key: (k, target) for k in KINDS.values()
+             for key, target in ((k.name, k.engine), (f"{k.name}-streaming", k.streaming_engine)) if target}
 
 
-def engine_class(kind: str):
-    target = _REGISTRY.get(kind)
-    if target is None:
-        raise ConfigError(f"engines.kind: unknown engine kind {kind!r}; use one of: {', '.join(_PUBLIC)}")
+def engine_class(key: str):
+    """The engine class of registry key `key` (`engine_options` gives it), imported now."""
+    if key not in _REGISTRY:
+        raise ConfigError(f"engines.kind: unknown engine kind {key!r}; use one of: {', '.join(ENGINE_KINDS)}")
+    kind, target = _REGISTRY[key]
     mod, _, cls = target.partition(":")
     try:
         return getattr(importlib.import_module(mod), cls)
     except ImportError as e:
-        raise ConfigError(f"engines.kind: {kind} needs its extra installed (pip install 'rlhf_orch[{kind}]'): {e}") from e
-
-
-# Engine-section fields that are not the engine's own arguments (placement, sampling and sleep are the driver's).
-_NOT_ENGINE_ARGS = {"name", "count", "placement", "sampling", "kind", "sleep_level", "python_path"}
+        raise ConfigError(f"engines.kind: {kind.name} needs its extra installed (pip install "
+                          f"'rlhf_orch[{kind.extra or kind.name}]'): {e}") from e
 
 
 # Test hooks of the hf engine: a slow engine or a slow sync, or loads over broadcast that the coordinator checks. They
@@ -64,15 +59,13 @@ def engine_options(ecfg, model_path: str, dtype: str, seed: int, hooks: dict | N
     """(registry kind, keyword arguments) of the engine an engine section describes, made where it is built (the
     rollout actor receives the typed section): the section's own fields, and what its kind needs besides.
     `hooks`: test hooks (hooks_from_env), for hf engines only."""
-    kwargs = {"model_path": model_path, "dtype": dtype, "seed": seed, **ecfg.model_dump(exclude=_NOT_ENGINE_ARGS)}
+    kind = kind_of(ecfg)
+    kwargs = {"model_path": model_path, "dtype": dtype, "seed": seed,
+              **ecfg.model_dump(exclude=DRIVER_FIELDS | kind.not_engine_args), **kind.engine_kwargs(ecfg)}
     if hooks and ecfg.kind != "hf":
         raise ConfigError(f"{HOOKS_ENV}: test hooks {sorted(hooks)} apply to hf engines only, not {ecfg.kind}")
-    if ecfg.kind == "hf":
-        kwargs.pop("tensor_parallel_size")
-        kwargs.update(hooks or {})
-    if ecfg.kind == "sglang":   # SGLang must know at start whether it will release memory
-        kwargs.update(enable_memory_saver=ecfg.sleep_level > 0, enable_weights_cpu_backup=ecfg.sleep_level == 1)
-    return (f"{ecfg.kind}-streaming" if getattr(ecfg, "streaming", False) else ecfg.kind), kwargs   # vllm-/sglang-streaming
+    kwargs.update(hooks or {})
+    return kind.engine_key(ecfg), kwargs
 
 
 __all__ = ["RolloutEngine", "SamplingParams", "engine_class", "engine_options", "hooks_from_env"]

@@ -12,7 +12,7 @@ import actors.rollout as rollout_mod
 from actors.rollout_manager import RolloutManager, group_seed
 from rlhf_orch.config.checks import pause_mode
 from rlhf_orch.config.loader import load_config
-from rlhf_orch.config.schema import HFEngineConfig
+from rlhf_orch.config.engines.hf import HFEngineConfig
 from rlhf_orch.engines.base import Capabilities, SamplingParams
 from rlhf_orch.errors import ConfigError, EngineError
 

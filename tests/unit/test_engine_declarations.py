@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_orch.config.schema import HFEngineConfig, SGLangEngineConfig, VLLMEngineConfig
+from rlhf_orch.config.engines.hf import HFEngineConfig
+from rlhf_orch.config.engines.sglang import SGLangEngineConfig
+from rlhf_orch.config.engines.vllm import VLLMEngineConfig
 from rlhf_orch.config import load_config
 from rlhf_orch.engines import HOOKS_ENV, engine_class, engine_options, hooks_from_env
 from rlhf_orch.engines.base import TRANSPORTS, Capabilities, checks_over
