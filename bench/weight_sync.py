@@ -11,10 +11,10 @@ Every receiver is its own process that sees only its GPUs (bench/sync_bench_lib.
 loading into a dict of tensors (no inference engine), `vllm` and `sglang` are rlhf_orch's engines ("dummy"
 weights of the same shape). Colocated: every engine on GPU 0 (ipc); disaggregated: engines on GPUs 1.. in one
 NCCL group, every engine worker a rank. The transports come from make_plan on the processes' real device ids, and
-a sync is the coordinator's (actors/coordinator.py): engines that stream (raw, vLLM, SGLang colocated) take it in
-one call that pauses, receives, checks every tensor against the trainer's checksums and resumes
-(RolloutActor.sync_weights); the others (SGLang over broadcast) are paused, fed bucket by bucket, compared here,
-and resumed. Control messages go over pipes,
+a sync is the coordinator's one protocol (actors/coordinator.py): every engine takes it in one call that pauses,
+receives over its transport, checks every tensor against the trainer's checksums where they come with the buckets, and
+resumes (RolloutActor.sync_weights); an engine that cannot check them itself (tensor-parallel SGLang over broadcast)
+stays paused until its checksums are compared here, then resumes (commit). Control messages go over pipes,
 a cheaper stand-in for Ray calls. Every case runs --warmup + --repeats rounds (>= 10 by default); a round is, in
 this order, so drift hits all alike:
   floor     colocated: a device-to-device copy of the same bytes on GPU 0 (bucket by bucket); disaggregated: a raw
