@@ -1,6 +1,6 @@
 """The RL loop's clear failures: a reward function that raises, which leaves metrics, a checkpoint and plots. (An
 infeasible placement refused before Ray starts: test_refused_before_ray.py; the loop's steps through both transports,
-ZeRO-2 and ZeRO-3, are checked on test_colocation.py's plain runs.)"""
+ZeRO-2 and ZeRO-3, are checked on test_colocation.py's runs.)"""
 import json
 import sys
 from pathlib import Path
