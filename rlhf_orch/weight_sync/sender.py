@@ -70,13 +70,12 @@ class WeightSender:
         self.layouts = list(layouts)
         self.abort_flag = abort_flag   # the trainer actor aborts a sync through it (abort.py)
         self.device = device
-        self.ipc_engines = list(ipc_engines)
         self.verify = verify
         self.timeout_s = float(timeout_s)
         self._plans = PlanCache()   # pack-and-checksum plans by (bucket, buffer), while the tensors stay put
         self._views: dict[tuple, list[torch.Tensor]] = {}   # (bucket, buffer) -> its slots' views
         self._dtypes: dict[int, list[torch.dtype]] = {}
-        self.active = bool(self.ipc_engines) or group is not None
+        self.active = bool(ipc_engines) or group is not None
         # GPU hand-over with colocated engines (module doc); the benchmark flips it between rounds.
         self.gpu_handover = device.type == "cuda" and os.environ.get("RLHF_ORCH_SYNC_HANDOVER", "device") != "host"
         self._bufs: list[tuple[str, torch.Tensor]] = []
@@ -89,8 +88,8 @@ class WeightSender:
             self._bufs = [allocate_shared(n, device) for _ in range(SLOTS)]
             for _, b in self._bufs:
                 b.zero_()   # alignment padding is never written: keep it identical on both sides
-        if self.ipc_engines:
-            self.stream = StreamSend(self.ipc_engines, self._bufs, device)
+        if ipc_engines:
+            self.stream = StreamSend(ipc_engines, self._bufs, device)
         if group is not None:
             self.bcast = BroadcastSend(group, [b for _, b in self._bufs], device, bcast_sums and verify)
 
