@@ -268,7 +268,7 @@ class WeightSyncCoordinator(Located):
             raise WeightSyncError(f"weight sync v{version} failed verification; engines hold weights that differ from "
                                   "the trainer's: " + "; ".join(bad))
         t_verify = time.perf_counter()
-        held = [n for n in self.engines if synced[n]["held"]]
+        held = [n for n in self.engines if n in self.held]
         self._get([self.engines[n].commit.remote(version) for n in held], "engines to record the version and resume")
         self.version = version
         t_end = time.perf_counter()

@@ -248,7 +248,7 @@ class RolloutActor(Located):
         return {"sums": sums, "pause_s": t1 - t0, "pause_parts": dict(self.last_pause), "receive_s": t2 - t1,
                 "load_s": float(m.get("load_s", 0.0)),
                 "on_device": float(m.get("on_device", 0.0)),   # the GPU hand-over (weight_sync/mailbox.py)
-                "finish_s": time.perf_counter() - t2, "total_s": time.perf_counter() - t0, "held": bool(hold)}
+                "finish_s": time.perf_counter() - t2, "total_s": time.perf_counter() - t0}
 
     def commit(self, version: int) -> float:
         """The weights just received are checked: record `version`, then resume generating. Returns seconds."""

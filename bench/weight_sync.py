@@ -231,7 +231,7 @@ class Case:
         self._all("commit", version, names=[n for n in hosts if n in self.held])
         t_end = time.perf_counter()
         eng: dict[str, float] = {}   # what the engines report (slowest engine)
-        for k, v in [kv for r in synced.values() for kv in r.items() if kv[0] not in ("sums", "held")]:
+        for k, v in [kv for r in synced.values() for kv in r.items() if kv[0] != "sums"]:
             eng[k] = max(eng.get(k, float("-inf")), float(v))
         transfer = t_transfer - t0
         return transfer + t_verify - t_transfer, {
