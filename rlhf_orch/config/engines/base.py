@@ -60,10 +60,14 @@ class EngineKind:
     checks: Callable[[int, object, object], list[str]] = _no_checks   # (index, entry, run config) -> problems
     engine_kwargs: Callable[[object], dict] = _no_kwargs   # what its engine needs besides the entry's own fields
 
+    def streams(self, entry) -> bool:
+        """Whether this entry builds the kind's streaming engine (`streaming: true` where the kind has one)."""
+        return self.streaming_engine is not None and bool(getattr(entry, "streaming", False))
+
     def can_stop_mid_request(self, entry) -> bool:
         """Whether this entry's engine pauses between two decode steps (keep/abort pauses, partial rollouts)."""
-        return self.parks_mid_request or (self.streaming_engine is not None and bool(getattr(entry, "streaming", False)))
+        return self.parks_mid_request or self.streams(entry)
 
     def engine_key(self, entry) -> str:
         """The registry key of the engine this entry builds: `<kind>` or `<kind>-streaming`."""
-        return f"{self.name}-streaming" if self.streaming_engine and getattr(entry, "streaming", False) else self.name
+        return f"{self.name}-streaming" if self.streams(entry) else self.name
