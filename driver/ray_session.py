@@ -31,7 +31,7 @@ def init_ray(cfg, shared: bool = False) -> bool:
     if os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
         # Ray reads the variable once, when `ray` is imported (ray_constants.ENABLE_RAY_CLUSTER), which was before
         # this function: without this line the driver picks the routable IP and GCS, raylet and every worker listen
-        # on all interfaces (tests/integration/test_loopback.py). The children read the variable set above.
+        # on all interfaces (tests/integration/test_driver_kill.py's resumed run). The children read the variable set above.
         from ray._private import ray_constants
         ray_constants.ENABLE_RAY_CLUSTER = False
     # Workers of a local Ray must import this checkout even when it is not pip-installed.

@@ -7,7 +7,11 @@ returns' variance. The PPO test uses it to show the critic learning (explained v
 Two dense versions of it (one value per response token) check that per-token rewards reach the trainer:
 `..._on_last_token` puts the whole reward on the last token (so PPO must train exactly as with the scalar one),
 `..._split` half on the first token and half on the last (the same sum, different returns).
+`..._last_token_then_split` is the first for the first 3 steps' samples its reward worker scores, the second after
+(one run checks both: test_ppo_run.py).
 """
+import itertools
+
 from rlhf_orch.rewards import dense
 
 
@@ -31,3 +35,17 @@ def starts_with_odd_digit_split(response: str, row: dict) -> list[float]:
         out[0] += half
         out[-1] += half
     return out
+
+
+LAST_TOKEN_SAMPLES = 3 * 16 * 8   # 3 steps of configs/tiny_cpu_ppo.yaml (16 prompts x 8 samples)
+_scored = itertools.count(1)      # calls in this process (next() on it is atomic: safe from worker threads too)
+
+
+@dense
+def starts_with_odd_digit_last_token_then_split(response: str, row: dict) -> list[float]:
+    """`..._on_last_token` for the first LAST_TOKEN_SAMPLES calls in this process, `..._split` after. One reward worker
+    (the default) at max_staleness 0 scores each step's samples after the step before trained, so steps 1-3 are
+    the last-token run's and step 4 the split's. launch.py's pre-launch check calls it in the driver, not the worker."""
+    if next(_scored) <= LAST_TOKEN_SAMPLES:
+        return starts_with_odd_digit_on_last_token(response, row)
+    return starts_with_odd_digit_split(response, row)

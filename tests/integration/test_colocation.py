@@ -4,7 +4,14 @@ through real Ray actors and DeepSpeed; it must change nothing in the numbers: lo
 digests equal a run without it (ZeRO-2: the recorded synchronous-loop baseline, whose command this run is but for
 the hand-overs and the bucket size; ZeRO-3: a plain run beside it), and every sync after a wake is
 checksum-verified. The ZeRO-2 run is also the RL loop's end-to-end check through both transports
-(rl_steps_through_both_transports)."""
+(rl_steps_through_both_transports).
+
+`trainer.offload: auto` on CPU moves nothing and trains as the recorded baseline. That run is also the check of both
+ways a sync's loads are checked (it was test_sync_paths.py, a run of its own with the baseline's command): the
+colocated engine compares every tensor with the trainer's checksums itself (its mailbox stream), while the dedicated
+one, over broadcast, reports its checksums and stays paused until the coordinator has compared them (`hold`, then
+`commit`): the path tensor-parallel SGLang takes, which the hf engine's `unchecked_broadcast` test hook forces there.
+Neither changes a number, so the run must be the recorded baseline's first steps to 1e-6, sync digests included."""
 import json
 import sys
 from pathlib import Path
@@ -15,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
 from baselines import baseline  # noqa: E402
+from engine_hooks import set_engine_hooks  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 
@@ -82,11 +90,15 @@ def rl_steps_through_both_transports(run: Path, records: list[dict]) -> None:
     assert json.loads((run / "checkpoints" / "step3" / "rl_state.json").read_text())["step"] == 3
 
 
-def test_offload_auto_on_cpu_moves_nothing_and_matches_offload_false(tmp_path):
+def test_offload_auto_moves_nothing_and_a_self_checking_and_a_coordinator_checked_engine_sync_as_the_baseline(
+        tmp_path, monkeypatch):
     """`trainer.offload: auto` with a sleeping colocated engine configured: on CPU there is no GPU memory to share,
     so nothing moves (the plan says so once in step 1's metrics), and the run is the offload: false run, whose per-step
-    numbers are the recorded synchronous-loop baseline."""
-    base = baseline("tiny_cpu_20steps")["steps"]
+    numbers are the recorded synchronous-loop baseline. The dedicated engine leaves the check of its loads to the
+    coordinator (held, then committed: test_sync_paths.py's run, folded in here), which must change no number either."""
+    recorded = baseline("tiny_cpu_20steps")
+    base = recorded["steps"]
+    set_engine_hooks(monkeypatch, {}, {"unchecked_broadcast": True})   # engines.0: colocated; engines.1: dedicated
     assert launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"experiment.output_dir={tmp_path}",
                         "experiment.name=auto", "experiment.steps=3", "trainer.offload=auto", "engines.0.sleep_level=2",
                         "ray.num_cpus=2", "metrics.ray_metrics=false", "metrics.plots=false",
@@ -96,6 +108,9 @@ def test_offload_auto_on_cpu_moves_nothing_and_matches_offload_false(tmp_path):
     for want, got in zip(base, recs):
         for key in ("train/loss", "train/kl", "train/grad_norm", "rollout/reward_mean", "sync/digest"):
             assert got[key] == pytest.approx(want[key], abs=1e-6), (got["step"], key)
+        for key in recorded["keys"]:   # test_sync_paths' comparison: every recorded key
+            assert abs(want[key] - got[key]) <= 1e-6, (want["step"], key, want[key], got[key])
+        assert got["sync/held_engines"] == 1   # the dedicated engine's loads checked by the coordinator
         assert got["sync/checksum_ok"] == 1.0
         assert got["colocate/moved_gb"] == 0.0 and got["colocate/handover_s"] < 0.05
         assert not any(k in got for k in ("colocate/sleep_s", "colocate/offload_s", "colocate/reload_s",

@@ -2,7 +2,12 @@
 launch.py starts a local Ray; once the driver is killed mid-training (after its step-5 checkpoint) the watchdog
 (driver/watchdog.py, started by driver/ray_session.py::init_ray) terminates every process of that Ray session
 within seconds (without it the DashboardAgent and RuntimeEnvAgent live ~60 s more). The resumed run's 20 steps
-match the synchronous-loop baseline (tests/data/tiny_cpu_20steps_baseline.json) to 1e-6."""
+match the synchronous-loop baseline (tests/data/tiny_cpu_20steps_baseline.json) to 1e-6.
+
+The resumed run (in this process, its own local Ray, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER unset: what launch.py itself
+does) is also the loopback check that was a 2-step run of its own in test_loopback.py: while it is up, a thread lists
+every listening TCP socket of this process's descendants (GCS, raylet, dashboard and its agents, metrics, every actor's
+core worker) and each must be bound to 127.0.0.1 or ::1 (the helpers and their own check are in test_loopback.py)."""
 import json
 import os
 import re
@@ -17,6 +22,9 @@ import pytest
 from baselines import baseline
 from engine_hooks import engine_hooks
 import launch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_loopback import non_loopback, watch_listeners  # noqa: E402   (the loopback check's helpers)
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -65,7 +73,7 @@ def _describe(procs: list[psutil.Process]) -> str:
     return "; ".join(out)
 
 
-def test_sigkilled_driver_leaves_no_ray_processes(tmp_path):
+def test_sigkilled_driver_leaves_no_ray_processes_and_the_resume_listens_on_loopback_only(tmp_path, monkeypatch):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RLHF_ORCH_WATCHDOG")}
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo", TOKENIZERS_PARALLELISM="false",
                **engine_hooks({"decode_delay_s": 0.02}, {"decode_delay_s": 0.02}))   # slower steps, same numbers
@@ -120,8 +128,18 @@ def test_sigkilled_driver_leaves_no_ray_processes(tmp_path):
                     pass
             psutil.wait_procs(rest, timeout=5)
 
-    # The same command with resume=true (in this process) continues from the last checkpoint, exactly.
-    assert launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), *common, "resume=true"]) == 0
+    # The same command with resume=true (in this process) continues from the last checkpoint, exactly. Its local Ray
+    # is set up as launch.py itself does it, not as this shell exported (init_ray sets the variable only when unset),
+    # and every socket its processes listen on is watched meanwhile.
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with watch_listeners() as seen:
+        assert launch.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), *common, "resume=true"]) == 0
+    names = {s.name for s in seen.values()}
+    # It saw Ray itself and the actors' workers, not an empty list.
+    assert any("gcs_server" in n for n in names) and any("raylet" in n for n in names), names
+    assert any(n.startswith("ray::") for n in names), names
+    assert not non_loopback(list(seen.values())), non_loopback(list(seen.values()))
     base = baseline("tiny_cpu_20steps")
     records = [json.loads(l) for l in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 21))

@@ -8,8 +8,12 @@ trainer's returns.
 - A dense function that puts the whole reward on the last token must train exactly as the scalar function (every
   step's rewards, losses, critic figures and sync digests to 1e-6; the scalar run is the shared 16-step run's first
   3 steps): the dense path adds nothing of its own.
-- One that puts half on the first token and half on the last has the same sum (so the same step-1 rewards and the
-  same samples) but different returns: the critic's targets change, so the values did reach the trainer.
+- One that puts half on the first token and half on the last has the same sum (so the same rewards on the same
+  samples) but different returns: the critic's targets change, so the values did reach the trainer.
+Both dense cases are one 4-step run (the second was a 1-step run of its own): steps 1-3 put the reward on the last
+token, step 4 splits it (tests/ppo_rewards.py counts the samples its worker scored). Steps 1-3 equal the scalar run
+to 1e-6, sync digests included, so step 4 generates from the same weights and the same engine RNG states as the
+scalar run's step 4: the same samples, which the split then scores with the same sum and lower returns.
 """
 import json
 import math
@@ -88,15 +92,17 @@ def test_ppo_with_kl_in_reward_and_an_adaptive_controller(tmp_path):
 
 
 def test_dense_rewards_reach_the_critic_and_the_last_token_case_is_the_outcome_run(tmp_path, full):
-    scalar = full[1][:3]   # the scalar function's run: the shared one (same config and overrides), its first 3 steps
-    last = _run(tmp_path, "last", 3, fn="starts_with_odd_digit_on_last_token")
-    split = _run(tmp_path, "split", 1, fn="starts_with_odd_digit_split")
+    scalar = full[1][:4]   # the scalar function's run: the shared one (same config and overrides), its first 4 steps
+    # steps 1-3: the whole reward on the last token; step 4: half on the first token, half on the last
+    dense = _run(tmp_path, "dense", 4, fn="starts_with_odd_digit_last_token_then_split")
+    last, split = dense[:3], dense[3]
     assert 0 < scalar[0]["rollout/reward_mean"] < 1, "every sample scored the same: this test would prove nothing"
-    assert [r["step"] for r in last] == [r["step"] for r in scalar] == [1, 2, 3]
+    assert 0 < scalar[3]["rollout/reward_mean"] < 1, "every sample scored the same: this test would prove nothing"
+    assert [r["step"] for r in dense] == [r["step"] for r in scalar] == [1, 2, 3, 4]
     for want, got in zip(scalar, last):
         for key in DENSE_KEYS:
             assert abs(got[key] - want[key]) <= 1e-6, (got["step"], key, got[key], want[key])
         assert got["sync/digest"] == want["sync/digest"]
     # the same sum per sample: the same rewards; half of each reward comes before the last token: lower returns
-    assert split[0]["rollout/reward_mean"] == scalar[0]["rollout/reward_mean"]
-    assert split[0]["critic/returns_mean"] < scalar[0]["critic/returns_mean"] - 1e-3, (split[0], scalar[0])
+    assert split["rollout/reward_mean"] == scalar[3]["rollout/reward_mean"]
+    assert split["critic/returns_mean"] < scalar[3]["critic/returns_mean"] - 1e-3, (split, scalar[3])

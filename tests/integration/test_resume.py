@@ -4,8 +4,9 @@ same samples, same optimizer state, same KL reference). Real Ray actors, two Dee
 transports. The storage is a real S3-compatible server on 127.0.0.1 (moto's server mode, `pip install
 "moto[server]>=5.2.5"`, pyarrow's S3 filesystem) when moto is installed, a file:// folder otherwise. The
 uninterrupted run is made once and shared: the tests that change a run folder work on a copy of it. A resume
-without a checkpoint starts fresh, a corrupt latest checkpoint falls back to the previous one, and a storage URI
-that cannot be written is refused before Ray starts."""
+without a checkpoint starts fresh (the shared run itself: resume=true in a folder holding an earlier run's records
+but no checkpoint, which it must not append to; that was a run of its own), a corrupt latest checkpoint falls back
+to the previous one, and a storage URI that cannot be written is refused before Ray starts."""
 import json
 import os
 import shutil
@@ -38,8 +39,17 @@ def _run(out: Path, name, steps, *extra):
 @pytest.fixture(scope="module")
 def full(tmp_path_factory):
     """One uninterrupted 4-step run (checkpoints at steps 2 and 4) that the tests below read, or copy and change.
-    It starts with resume=true in an empty folder: the first case of a resume without a checkpoint."""
+    It starts with resume=true in a folder that holds an earlier 3-step run's records (real records of
+    configs/tiny_cpu.yaml: the recorded baseline's first 3) but no checkpoint: the case of a resume without a
+    checkpoint, which must start fresh and not append to those records. (The same path as an empty folder's, where
+    find_good also finds no checkpoints folder, plus the records to drop.)"""
+    from baselines import baseline
     out = tmp_path_factory.mktemp("resume_full")
+    earlier = out / "full"
+    earlier.mkdir()
+    (earlier / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in baseline("tiny_cpu_20steps")["steps"][:3]))
+    (earlier / "rollouts.jsonl").write_text("".join(json.dumps({"step": s, "sources": [[0, s]], "groups_filtered": 0}) + "\n"
+                                                    for s in (1, 2, 3)))
     return out, _run(out, "full", 4, "resume=true")
 
 
@@ -49,15 +59,13 @@ def _copy(full, tmp_path) -> Path:
     return tmp_path
 
 
-def test_resume_without_checkpoint_starts_fresh(tmp_path, full):
-    # the shared run asked to resume in an empty folder: a fresh start
+def test_resume_without_checkpoint_starts_fresh(full):
+    # the shared run asked to resume in a folder with an earlier run's records but no checkpoint: a fresh start,
+    # whose records replace the earlier ones (appended, they would read steps 1, 2, 3, 1, 2, 3, 4)
     assert [r["step"] for r in full[1]] == [1, 2, 3, 4]
     assert json.loads((full[0] / "full" / "summary.json").read_text())["resumed_from"] is None
-    # an earlier run's records in the folder, but no checkpoint: a fresh start must not append to them
-    out = _copy(full, tmp_path)
-    shutil.rmtree(out / "full" / "checkpoints")
-    recs = _run(out, "full", 1, "resume=true", "trainer.warm_start_steps=0")
-    assert [r["step"] for r in recs] == [1]
+    rollouts = [json.loads(l)["step"] for l in (full[0] / "full" / "rollouts.jsonl").read_text().splitlines()]
+    assert rollouts == [1, 2, 3, 4]
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, full):

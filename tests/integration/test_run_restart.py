@@ -8,7 +8,15 @@ keeps step snapshots (fault_tolerance.step_snapshots): each restart resumes from
 periodic checkpoint, so at most the step the kill interrupted is trained again; the snapshots' RAM is freed at the end.
 The 20 steps match the synchronous-loop baseline recorded before the rollout manager existed
 (tests/data/tiny_cpu_20steps_baseline.json) to 1e-6; summary.json lists every restart and each in-place repair.
-(Each victim used to get a run of its own: five runs, ~160 s on the CI machine.)"""
+(Each victim used to get a run of its own: five runs, ~160 s on the CI machine.)
+
+The same run is the separate reference group's end-to-end check (it was test_reference_group.py, two runs of its
+own): two policy ranks hold no reference, two reference workers load the snapshot the policy wrote and compute the
+KL reference's logprobs of each shard, and the run trains exactly as the default (reference inside every policy rank)
+does, which is what the recorded baseline is (GRPO with kl_coef 0.02). Each restart is a resume (launch.py's
+_supervise sets resume=true): the new group reloads the saved snapshot, which the steps after each restart matching the
+baseline to 1e-6 prove; the last segment's timeline (one file per (re)start) shows that group's one load. (A reference
+section without a KL term is refused before Ray starts: test_refused_before_ray.py.)"""
 import json
 import sys
 from pathlib import Path
@@ -70,3 +78,8 @@ def test_each_killed_member_restarts_the_run_or_is_replaced_and_the_run_ends_exa
         assert 0 < f["next_step_s"] < 120, f
     trained = [tuple(s) for l in (run / "rollouts.jsonl").read_text().splitlines() for s in json.loads(l)["sources"]]
     assert len(trained) == 20 * 16 and len(set(trained)) == len(trained)
+    # The separate reference group (test_reference_group.py's checks): a KL term really computed against it, and the
+    # group of the last segment (after reference worker 1's restart) loaded the saved snapshot once.
+    assert records[-1]["train/kl"] > 0
+    events = [json.loads(l) for l in (run / "timeline.jsonl").read_text().splitlines()]
+    assert sum(e.get("actor") == "reference" and e.get("phase") == "load" for e in events) == 1, events[:5]
