@@ -47,7 +47,7 @@ def _die_with_a_load_queued(recv: WeightReceiver, bucket: int) -> None:
     """Fault seam: after queueing bucket `bucket`'s load (at the second sync: replayed, no host wait), queue ~2 s of
     GPU spinning behind it and SIGKILL this process 0.3 s later, so the trainer has seen the bucket acknowledged
     while the engine's event for it can never complete."""
-    load, count = recv._load, [0]
+    load, count = recv.load_bucket, [0]   # the seam every transport loads a bucket through
 
     def wrapped(layout, buf, verify, out=None):
         got = load(layout, buf, verify, out)
@@ -58,7 +58,7 @@ def _die_with_a_load_queued(recv: WeightReceiver, bucket: int) -> None:
                 threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
         return got
 
-    recv._load = wrapped
+    recv.load_bucket = wrapped
 
 
 def _engine(layouts, conn, replay: bool, corrupt: str | None, die_at: int | None = None):
