@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On nvidia-h100-x1 (eighteenth session's code, not yet run on a GPU): issue #28 item 3 moved every weight sync onto
+# On nvidia-h100-x1. `seam` and `run` passed on an H100 in the nineteenth session (bench/RESULTS.md); `sgseam` is still
+# to run. Issue #28 item 3 (eighteenth session) moved every weight sync onto
 # one transport seam (rlhf_orch/weight_sync/transport.py, ipc_stream.py, broadcast.py) and one coordinator protocol,
 # and removed the per-bucket IPC path; these check it on the GPU. vLLM + DeepSpeed staged into /tmp/site, SGLang into
 # /tmp/site-sglang for `sgseam`. One command per argument, each under the 600 s limit:
