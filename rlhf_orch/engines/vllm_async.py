@@ -116,10 +116,33 @@ class AsyncVLLMRunner:
 
     def _call(self, coro, timeout: float | None = None):
         """Run `coro` on the loop thread and block for its result."""
+        self._check_caller(coro)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _call_now(self, coro, timeout: float | None = None):
+        """`_call`, but this thread wakes once `coro` ends, not after the callbacks the loop queued before the task's
+        done-callback (at a pause: every stream's wake-up, ~10 ms at 512 running; bench/RESULTS.md, 19th session)."""
+        self._check_caller(coro)
+        done, outcome = threading.Event(), []
+        async def run():   # noqa: E306
+            try:
+                outcome.append((True, await coro))
+            except BaseException as e:
+                outcome.append((False, e))   # raised in the caller below, with its traceback
+            finally:
+                done.set()
+        asyncio.run_coroutine_threadsafe(run(), self._loop)
+        if not done.wait(timeout):
+            raise TimeoutError(f"AsyncVLLMRunner: no answer from the loop thread within {timeout}s")
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+    def _check_caller(self, coro) -> None:   # the loop thread would wait for itself
         if threading.current_thread() is self._thread or self._loop.is_closed():
             coro.close()
             raise EngineError("AsyncVLLMRunner: called from its own loop thread, or after shutdown")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _start(self, model: str, kw: dict):
         try:
@@ -313,8 +336,8 @@ class AsyncVLLMRunner:
         engine core)."""
         if mode not in PAUSE_MODES:
             raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        self._call(self._pause(mode, bool(clear_cache), drain, time.perf_counter()))
-        # from the coroutine's end until this thread runs again: the loop's queue of ready callbacks, then the GIL
+        self._call_now(self._pause(mode, bool(clear_cache), drain, time.perf_counter()))
+        # from the coroutine's end until this thread runs again: the GIL, held by the loop thread's stream tasks
         self.last_pause["return_s"] = time.perf_counter() - self.last_pause.pop("t_end")
 
     async def _pause(self, mode: str, clear_cache: bool, drain: bool, t_call: float) -> None:
