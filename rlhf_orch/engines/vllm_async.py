@@ -115,13 +115,9 @@ class AsyncVLLMRunner:
         logger.info("AsyncLLM up for %s%s", model, f" ({gc.get_freeze_count()} objects frozen)" if gc_freeze else "")
 
     def _call(self, coro, timeout: float | None = None):
-        """Run `coro` on the loop thread and block for its result."""
-        self._check_caller(coro)
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
-    def _call_now(self, coro, timeout: float | None = None):
-        """`_call`, but this thread wakes once `coro` ends, not after the callbacks the loop queued before the task's
-        done-callback (at a pause: every stream's wake-up, ~10 ms at 512 running; bench/RESULTS.md, 19th session)."""
+        """Run `coro` on the loop thread and block for its result. This thread wakes once `coro` ends, not through the
+        task's done-callback, which the loop runs after every callback already queued (at a pause: every stream's
+        wake-up, ~10 ms at 512 running; bench/RESULTS.md, nineteenth session)."""
         self._check_caller(coro)
         done, outcome = threading.Event(), []
         async def run():   # noqa: E306
@@ -336,7 +332,7 @@ class AsyncVLLMRunner:
         engine core)."""
         if mode not in PAUSE_MODES:
             raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        self._call_now(self._pause(mode, bool(clear_cache), drain, time.perf_counter()))
+        self._call(self._pause(mode, bool(clear_cache), drain, time.perf_counter()))
         # from the coroutine's end until this thread runs again: the GIL, held by the loop thread's stream tasks
         self.last_pause["return_s"] = time.perf_counter() - self.last_pause.pop("t_end")
 

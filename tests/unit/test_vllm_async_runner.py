@@ -168,7 +168,7 @@ def test_pause_records_its_parts_and_the_open_requests(make_runner):
 
 
 def test_the_pause_returns_without_waiting_for_callbacks_queued_on_the_loop(make_runner):
-    """pause() (through _call_now) wakes the caller as soon as its coroutine ends, not once the loop has run the
+    """pause() (through _call) wakes the caller as soon as its coroutine ends, not once the loop has run the
     callbacks queued before the task's own done-callback (at 512 running: every stream's wake-up). Here one such
     callback blocks the loop until the caller lets it go: a caller that waited for it would find `finished` set."""
     runner, _ = make_runner()
@@ -182,7 +182,7 @@ def test_the_pause_returns_without_waiting_for_callbacks_queued_on_the_loop(make
         asyncio.get_running_loop().call_soon(queued)
         return 7
 
-    assert runner._call_now(ends_after_queueing()) == 7
+    assert runner._call(ends_after_queueing()) == 7
     assert not finished.is_set()
     gate.set()
     wait_for(finished.is_set)
@@ -190,8 +190,9 @@ def test_the_pause_returns_without_waiting_for_callbacks_queued_on_the_loop(make
     async def fails():
         raise EngineError("from the loop")
 
-    with pytest.raises(EngineError, match="from the loop"):   # an exception reaches the caller as _call's would
-        runner._call_now(fails())
+    with pytest.raises(EngineError, match="from the loop"):   # an exception reaches the caller
+        runner._call(fails())
+
 
 def test_no_logprobs_requested_gives_empty_logprobs(make_runner):
     runner, _ = make_runner()
