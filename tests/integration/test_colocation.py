@@ -106,9 +106,7 @@ def test_offload_auto_moves_nothing_and_a_self_checking_and_a_coordinator_checke
     recs = [json.loads(l) for l in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3]
     for want, got in zip(base, recs):
-        for key in ("train/loss", "train/kl", "train/grad_norm", "rollout/reward_mean", "sync/digest"):
-            assert got[key] == pytest.approx(want[key], abs=1e-6), (got["step"], key)
-        for key in recorded["keys"]:   # test_sync_paths' comparison: every recorded key
+        for key in recorded["keys"]:   # every recorded key (loss, KL, grad norm, rewards, sync digest, ...)
             assert abs(want[key] - got[key]) <= 1e-6, (want["step"], key, want[key], got[key])
         assert got["sync/held_engines"] == 1   # the dedicated engine's loads checked by the coordinator
         assert got["sync/checksum_ok"] == 1.0

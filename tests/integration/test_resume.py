@@ -21,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import launch  # noqa: E402
+from baselines import baseline  # noqa: E402
 from rlhf_orch.checkpoint import find_good  # noqa: E402
 from rlhf_orch.storage import Store  # noqa: E402
 
@@ -43,7 +44,6 @@ def full(tmp_path_factory):
     configs/tiny_cpu.yaml: the recorded baseline's first 3) but no checkpoint: the case of a resume without a
     checkpoint, which must start fresh and not append to those records. (The same path as an empty folder's, where
     find_good also finds no checkpoints folder, plus the records to drop.)"""
-    from baselines import baseline
     out = tmp_path_factory.mktemp("resume_full")
     earlier = out / "full"
     earlier.mkdir()
