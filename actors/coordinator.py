@@ -1,8 +1,10 @@
 """WeightSyncCoordinator: plans the transports once, then runs one numbered sequence per sync.
 
 setup: ask every trainer rank and engine worker where it sits -> make the plan (ipc for engines on a
-trainer rank's device, broadcast for the rest) -> lay out buckets from rank 0's parameter specs ->
-build senders and receivers, creating and warming the one broadcast group on all sides at once.
+trainer rank's device, broadcast for the rest) -> lay out buckets from rank 0's parameter specs -> let each transport
+make its members' specs -> run the one handshake (weight_sync/transport.py): every sender and receiver opens its side
+at once (the broadcast group is created and warmed up on all sides together), every engine connects with its rank's
+offer, every rank accepts the answer. This actor never names a transport.
 
 Every sync is one protocol, whatever the transport (rlhf_orch/weight_sync/transport.py): every trainer rank sends
 (`send_weights`) while every engine takes the whole sync in one call (`sync_weights`: pause, receive every bucket over
@@ -36,6 +38,7 @@ from rlhf_orch.config.schema import WeightSyncSection
 from rlhf_orch.errors import ACTOR_DIED, WeightSyncError
 from rlhf_orch.weight_sync import digest, make_plan, plan_buckets
 from rlhf_orch.weight_sync.plan import sync_deadline_s
+from rlhf_orch.weight_sync.transports import setup_specs
 from rlhf_orch.weight_sync.verify import mismatches
 
 logger = logging.getLogger(__name__)
@@ -81,47 +84,36 @@ class WeightSyncCoordinator(Located):
         engine_nodes = {n: w["node_id"] for n, w in zip(names, self._get([self.engines[n].node.remote() for n in names],
                                                                          "engine nodes"))}
         self.plan = make_plan(trainer_devs, engine_devs, self.transport, trainer_nodes, engine_nodes)
-        specs = self._get(self.trainers[0].param_specs.remote(self.dtype), "parameter specs")
-        self.layouts = plan_buckets(specs, self.bucket_bytes)
+        params = self._get(self.trainers[0].param_specs.remote(self.dtype), "parameter specs")
+        self.layouts = plan_buckets(params, self.bucket_bytes)
         self.timeout_s = sync_deadline_s(sum(b.nbytes for b in self.layouts), self.configured_timeout)
         routes = self.plan.routes
         checks = dict(zip(names, self._get([self.engines[n].checks_loads.remote(routes[n].transport) for n in names],
                                            "what each engine checks itself")))
-        blind = [n for n in names if routes[n].transport == "ipc" and not checks[n]]
-        if blind:   # plan.py gives ipc to single-worker engines only, and every one of ours streams
-            raise WeightSyncError(f"engines {blind} were planned ipc but cannot take an ipc stream; set "
-                                  "weight_sync.transport: broadcast")
-        # Broadcast receivers check the trainer's checksums themselves only if every one of them can: the sums
-        # follow the buckets as one more broadcast, which every group member must take part in.
-        bcast_sums = self.verify and all(checks[n] for n in self.plan.broadcast_engines)
-        group = None
-        if self.plan.group_world_size:
-            # Rank 0 hosts the store: its node's address and a port free there, never a fixed address.
-            host, port = self._get(self.trainers[0].node_address.remote(), "trainer rank 0 address")
-            group = {"backend": "nccl" if self.device == "cuda" else "gloo", "host": host, "port": port,
-                     "world_size": self.plan.group_world_size, "sums": bcast_sums}
-        refs = []
-        for rank, t in enumerate(self.trainers):
-            refs.append(t.setup_sender.remote(self.layouts, self.plan.ipc_targets.get(rank, []),
-                                              group if rank == 0 else None, self.verify, self.timeout_s))
-        for name, route in routes.items():
-            g = group if route.transport == "broadcast" else None
-            rank = route.group_ranks[0] if route.group_ranks else 0
-            refs.append(self.engines[name].setup_receiver.remote(self.layouts, g, rank, self.verify, self.timeout_s,
-                                                                 self.replay))
-        handles = self._get(refs, "weight-sync group creation and warm-up")[:len(self.trainers)]
-        # Colocated engines open their rank's ring buffers once and give it their mailbox.
-        connect = [(rank, e) for rank, es in self.plan.ipc_targets.items() for e in es]
-        boxes = self._get([self.engines[e].connect_stream.remote(handles[rank], self.timeout_s) for rank, e in connect],
-                          "engines to open the trainer's ipc buffers")
-        self._get([self.trainers[rank].attach_mailbox.remote(e, box) for (rank, e), box in zip(connect, boxes)],
-                  "trainer ranks to attach the engines' mailboxes")
+        # Each transport makes its members' specs (weight_sync/transports.py); a rendezvous (the broadcast group's
+        # store) sits on its sending rank's node, at a port free there, never at a fixed address.
+        specs = setup_specs(routes, "nccl" if self.device == "cuda" else "gloo", self.verify, checks,
+                            lambda rank: tuple(self._get(self.trainers[rank].node_address.remote(),
+                                                         f"trainer rank {rank}'s address")))
+        # The handshake (weight_sync/transport.py), the same for every transport. 1: every side opens at once (a
+        # group's members must all be joining together); each rank offers what its receivers connect with.
+        refs = [t.setup_sender.remote(self.layouts, specs.senders.get(rank, {}), self.verify, self.timeout_s)
+                for rank, t in enumerate(self.trainers)]
+        refs += [self.engines[name].setup_receiver.remote(self.layouts, *specs.receivers[name], self.verify,
+                                                          self.timeout_s, self.replay) for name in names]
+        offers = self._get(refs, "weight-sync transports to open (a broadcast group's creation and warm-up)")[
+            :len(self.trainers)]
+        # 2: every engine connects with its rank's offer and answers; 3: the rank accepts the answer.
+        answers = self._get([self.engines[n].connect.remote(offers[routes[n].sender_rank][specs.receivers[n][0]])
+                             for n in names], "engines to connect to their trainer rank (ipc: open its buffers)")
+        self._get([self.trainers[routes[n].sender_rank].accept.remote(specs.receivers[n][0], n, answer)
+                   for n, answer in zip(names, answers)], "trainer ranks to accept the engines' answers")
         # Engines whose loads only this actor can check stay paused after their receive until it has.
-        self.held = set(self.plan.broadcast_engines) if self.verify and not bcast_sums else set()
+        self.held = specs.held
         nbytes = sum(b.nbytes for b in self.layouts)
         logger.info("weight sync plan: %s; %d tensors in %d buckets (%.1f MB)", self.plan.summary(),
-                    len(specs), len(self.layouts), nbytes / 1e6)
-        return {"plan": self.plan.summary(), "buckets": len(self.layouts), "tensors": len(specs),
+                    len(params), len(self.layouts), nbytes / 1e6)
+        return {"plan": self.plan.summary(), "buckets": len(self.layouts), "tensors": len(params),
                 "bytes": nbytes, "setup_s": time.perf_counter() - t0, "timeout_s": self.timeout_s}
 
     def _gather(self, calls: dict, version: int) -> dict:
@@ -256,14 +248,8 @@ class WeightSyncCoordinator(Located):
         sent = [done[f"trainer rank {r}"] for r in range(len(self.trainers))]
         synced = {n: done[n] for n in self.engines}
         t_transfer = time.perf_counter()
-        ipc_acks: list[dict[str, list[int]]] = [{} for _ in self.trainers]
-        bcast_sums = {}
-        for n, r in synced.items():
-            if routes[n].transport == "ipc":
-                ipc_acks[routes[n].sender_rank][n] = r["sums"]
-            else:
-                bcast_sums[n] = r["sums"]
-        bad = mismatches(self.plan, self.layouts, [r.checksums for r in sent], ipc_acks, bcast_sums) if self.verify else []
+        reported = {n: r["sums"] for n, r in synced.items()}   # each compared with its sender rank's
+        bad = mismatches(self.plan, self.layouts, [r.checksums for r in sent], reported) if self.verify else []
         if bad:
             raise WeightSyncError(f"weight sync v{version} failed verification; engines hold weights that differ from "
                                   "the trainer's: " + "; ".join(bad))

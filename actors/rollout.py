@@ -72,7 +72,7 @@ class RolloutActor(Located):
                                    mt.max_observation_tokens, mt.tool_timeout_s, mt.tool)
         self.receiver = None
         self.verify = True
-        self._streamed = False
+        self._answered = False
         self._gate = threading.Condition()
         self._syncing = False
         self._receiving = False   # inside a sync's receive (health: a fault benchmark kills inside the transfer)
@@ -186,10 +186,12 @@ class RolloutActor(Located):
         return samples, {"tokens": tokens, "seconds": secs, "start": start, "end": start + secs}
 
     # ---- weight sync ----------------------------------------------------------------------------
-    def setup_receiver(self, layouts, group: dict | None, rank: int, verify: bool, timeout_s: float,
+    def setup_receiver(self, layouts, transport: str, spec: dict, verify: bool, timeout_s: float,
                        replay: bool = True) -> float:
+        """Setup's first round (weight_sync/transport.py): open this engine's side of `transport` from its spec (a
+        broadcast group blocks until every member joined). Returns seconds."""
         self.verify = verify
-        self._streamed = False   # until connect_stream: this engine's transport is then ipc
+        self._answered = False   # until `connect` answers: the sender then waits on us, and is told when we fail
         self.close_receiver()   # a re-plan after an engine fault: leave the old broadcast group first
         if self.abort_flag is None:
             self.abort_flag = AbortFlag.create()   # its file goes once the receiving process mapped it (below)
@@ -197,22 +199,25 @@ class RolloutActor(Located):
             # Engines with their own worker processes (vLLM) run a receiver in every worker; those that declare
             # `aborts_syncs` map this actor's abort flag there (then the file is no longer needed).
             self.receiver = self.engine
-            if not self.caps.aborts_syncs:
-                self.abort_flag.unlink()   # its receivers do not read it
-                return self.engine.setup_receiver(layouts, group, rank, verify, timeout_s, replay)
-            secs = self.engine.setup_receiver(layouts, group, rank, verify, timeout_s, replay,
-                                              abort_flag=self.abort_flag.handle())
-            self.abort_flag.unlink()
-            return secs
+            flag = self.abort_flag.handle() if self.caps.aborts_syncs else None
+            try:
+                return self.engine.setup_receiver(layouts, transport, spec, verify, timeout_s, replay, abort_flag=flag)
+            finally:
+                self.abort_flag.unlink()   # mapped where it is read, or read nowhere
         # hf: the actor's receiver loads into the engine; replay_params gives its parameters, checked awake
         self.receiver = WeightReceiver(layouts, self.engine.device, self.engine.load_weights, self.engine.checksums,
                                        LoadReplay(self.engine.replay_params, replay))
         self.receiver.abort_flag = self.abort_flag
         self.abort_flag.unlink()   # this process holds the only mapping it needs
-        if group is None:
-            return 0.0
-        return self.receiver.join_group(group["backend"], group["host"], group["port"], rank, group["world_size"],
-                                        timeout_s, ray.util.get_node_ip_address(), bool(group.get("sums")))
+        # where a gloo group's sockets bind in this process (the group's store may sit on another node)
+        return self.receiver.open(transport, {**spec, "local_host": ray.util.get_node_ip_address()}, timeout_s)
+
+    def connect(self, offer):
+        """Setup's second round: the trainer rank's offer -> this engine's answer (ipc: it opens the rank's ring
+        buffers once and answers with its mailbox)."""
+        answer = self.receiver.connect(offer)
+        self._answered = answer is not None
+        return answer
 
     def checks_loads(self, transport: str) -> bool:
         """Whether this engine's receivers compare what they load over `transport` with the trainer's checksums
@@ -220,12 +225,6 @@ class RolloutActor(Located):
         tensor-parallel SGLang, fed through its own API, reports its checksums for the coordinator to compare
         (engines/base.checks_over)."""
         return checks_over(self.engine, transport)
-
-    def connect_stream(self, buffer_handles, timeout_s: float) -> bytes:
-        """Open the colocated trainer rank's ring buffers once; returns the mailbox handle for that rank."""
-        handle = self.receiver.connect_stream(buffer_handles, timeout_s)
-        self._streamed = True
-        return handle
 
     def sync_weights(self, version: int, sync_id: int, pause_mode: str, hold: bool = False) -> dict:
         """A whole sync in one call: pause -> take every bucket over this engine's transport (checking each tensor's
@@ -239,8 +238,8 @@ class RolloutActor(Located):
             with self._receiving_now():
                 sums, m = self.receiver.receive(sync_id, self.verify)
         except BaseException:
-            if self._streamed:   # the colocated sender stops waiting now; a broadcast sender hears the coordinator
-                self.receiver.abort_stream()
+            if self._answered:   # the sender waits on what we answered (ipc: our mailbox): it stops waiting now. A
+                self.receiver.abort_stream()   # broadcast sender hears of it from the coordinator instead.
             raise
         t2 = time.perf_counter()
         if not hold:

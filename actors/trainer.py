@@ -26,7 +26,7 @@ from rlhf_orch.trainer.token_step import advantages, policy_update, token_level_
 from rlhf_orch.types import TrainBatch
 from rlhf_orch.weight_sync import WeightSender
 from rlhf_orch.weight_sync.abort import AbortFlag
-from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
+from rlhf_orch.weight_sync.collective import free_port
 
 if TYPE_CHECKING:   # the driver's placement, for the annotation only: actors/ never imports driver/
     from driver.placement import Placement
@@ -173,21 +173,21 @@ class TrainerActor(Located):
     def param_specs(self, dtype: str):
         return self.trainer.param_specs(dtype)
 
-    def setup_sender(self, layouts, ipc_engines: list[str], group: dict | None, verify: bool, timeout_s: float) -> list:
-        """Build this rank's sender. Rank 0 with `group` hosts the broadcast store and warms it up. Returns the ring
-        buffers' ipc handles (its colocated engines open them once, `connect_stream`), [] without ipc engines."""
+    def setup_sender(self, layouts, specs: dict[str, dict], verify: bool, timeout_s: float) -> dict:
+        """Setup's first round (weight_sync/transport.py): open this rank's side of every transport it sends on
+        ({transport: spec}; rank 0's broadcast group blocks until every member joined). Returns the offers its
+        receivers connect with ({transport: offer}; ipc: the ring buffers' handles)."""
         self.close_sender()   # a re-plan after an engine fault: leave the old broadcast group first
-        bgroup = None
-        if group is not None:
-            bgroup = BroadcastGroup(group["backend"], group["host"], group["port"], 0, group["world_size"],
-                                    timeout_s, self.trainer.device, ray.util.get_node_ip_address())
-            bgroup.warmup()
-        self.sender = WeightSender(layouts, self.trainer.device, ipc_engines, bgroup, verify,
-                                   bcast_sums=bool(group and group.get("sums")), timeout_s=timeout_s,
-                                   abort_flag=self.abort_flag)
+        here = ray.util.get_node_ip_address()   # where a gloo group's sockets bind (the store may sit elsewhere)
+        self.sender = WeightSender(layouts, self.trainer.device, {n: {**s, "local_host": here} for n, s in specs.items()},
+                                   verify, timeout_s=timeout_s, abort_flag=self.abort_flag)
         # weight_sync.overlap: a failed sync is sent again from its staged copy, which outlives the old sender
         self.sender.adopt_stage(*self._kept_stage)
-        return self.sender.buffer_handles()
+        return self.sender.offers()
+
+    def accept(self, transport: str, engine: str, answer) -> None:
+        """Setup's third round: `engine` connected over `transport` and answered (ipc: its mailbox)."""
+        self.sender.accept(transport, engine, answer)
 
     @ray.method(concurrency_group="control")
     def abort_sync(self, sync_id: int) -> float:
@@ -195,10 +195,6 @@ class TrainerActor(Located):
         leaves the broadcast group, which frees every broadcast receiver (weight_sync/sender.py)."""
         self.abort_flag.abort(int(sync_id))
         return time.time()
-
-    def attach_mailbox(self, engine: str, handle: bytes) -> None:
-        """Colocated `engine` opened this rank's buffers: hand it buckets through its shared-memory mailbox."""
-        self.sender.attach_mailbox(engine, handle)
 
     def close_sender(self) -> None:
         if getattr(self, "sender", None) is not None:

@@ -71,7 +71,7 @@ class RawEngine:
             return ["gpu-" + str(torch.cuda.get_device_properties(self.device).uuid)]
         return [self.slot]
 
-    def setup_receiver(self, layouts, group, rank_offset, verify, timeout_s, replay: bool = True,
+    def setup_receiver(self, layouts, transport, spec, verify, timeout_s, replay: bool = True,
                        abort_flag: str | None = None) -> float:
         if self.receiver is not None:
             self.receiver.close()
@@ -80,13 +80,10 @@ class RawEngine:
                                        lambda named: torch._foreach_copy_([p[n] for n, _ in named], [t for _, t in named]),
                                        lambda names: checksums(p[n] for n in names), LoadReplay(lambda: p))
         self.receiver.abort_flag = AbortFlag.attach(abort_flag) if abort_flag else None
-        if group is None:
-            return 0.0
-        return self.receiver.join_group(group["backend"], group["host"], group["port"], rank_offset, group["world_size"],
-                                        timeout_s, expect_sums=bool(group.get("sums")))
+        return self.receiver.open(transport, spec, timeout_s)
 
-    def connect_stream(self, handles, timeout_s: float) -> bytes:
-        return self.receiver.connect_stream(handles, timeout_s)
+    def connect(self, offer):
+        return self.receiver.connect(offer)
 
     def receive(self, sync_id: int, verify: bool = True):
         return self.receiver.receive(sync_id, verify)
@@ -162,13 +159,13 @@ class HostState:
         streams = tuple(t for t in ("ipc", "broadcast") if checks_over(self.engine, t))
         return time.perf_counter() - t0, self.engine.device_ids(), version, streams
 
-    def setup(self, layouts, group, rank, verify):
+    def setup(self, layouts, transport, spec, verify):
         """As RolloutActor.setup_receiver: with an abort flag (nothing here aborts), so that numbered syncs wait as a
         run's do: polled."""
         self.verify, self.streamed = verify, False
         flag = AbortFlag.create()
         try:
-            return self.engine.setup_receiver(layouts, group, rank, verify, TIMEOUT_S, abort_flag=flag.handle())
+            return self.engine.setup_receiver(layouts, transport, spec, verify, TIMEOUT_S, abort_flag=flag.handle())
         finally:
             flag.unlink()   # the receiving process has mapped it
 
@@ -177,9 +174,10 @@ class HostState:
         its scheduler holds the sync group."""
         self.engine.join_own_group(group, rank)
 
-    def connect_stream(self, handles):
-        self.streamed = True
-        return self.engine.connect_stream(handles, TIMEOUT_S)
+    def connect(self, offer):
+        answer = self.engine.connect(offer)
+        self.streamed = answer is not None   # the sender waits on what we answered: tell it when a sync fails here
+        return answer
 
     def sync_weights(self, version, sync_id, hold):
         """RolloutActor.sync_weights: pause -> every bucket (checked by the receiver where the trainer's checksums

@@ -56,6 +56,7 @@ from rlhf_orch.weight_sync import WeightSender, digest, make_plan, plan_buckets 
 from rlhf_orch.weight_sync.abort import AbortFlag  # noqa: E402
 from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port  # noqa: E402
 from rlhf_orch.weight_sync.ipc import allocate_shared, export_handle  # noqa: E402
+from rlhf_orch.weight_sync.transports import setup_specs  # noqa: E402
 from rlhf_orch.weight_sync.verify import mismatches  # noqa: E402
 
 PLACEMENTS = {"colocated": "colocated", "coloc": "colocated", "disaggregated": "disaggregated", "disagg": "disaggregated"}
@@ -135,26 +136,21 @@ class Case:
         if any(r.transport != want for r in plan.routes.values()):
             raise RuntimeError(f"{self.placement} engines should be fed by {want}, but the plan is {plan.summary()}")
         checks = {n: plan.routes[n].transport in h.info[3] for n, h in hosts.items()}
-        bcast_sums = self.verify and all(checks[n] for n in plan.broadcast_engines)
-        ipc = plan.ipc_targets.get(0, [])
-        # As the coordinator: engines whose loads only it can check stay paused until it has (hold, then commit).
-        self.held = set(plan.broadcast_engines) if self.verify and not bcast_sums else set()
-        group = None
-        if plan.group_world_size:
-            group = {"backend": "nccl" if tr.dev.type == "cuda" else "gloo", "host": HOST, "port": free_port(HOST),
-                     "world_size": plan.group_world_size, "sums": bcast_sums}
-        for n, r in plan.routes.items():
-            hosts[n].send("setup", tr.layouts, group if r.transport == "broadcast" else None,
-                          r.group_ranks[0] if r.group_ranks else 0, self.verify)
-        if group is not None:   # returns once every rank joined and warmed up
-            self.group = BroadcastGroup(group["backend"], HOST, group["port"], 0, group["world_size"], TIMEOUT_S, tr.dev)
-            self.group.warmup()
+        # As the coordinator: each transport's specs, then the handshake (open everywhere at once, connect, accept).
+        specs = setup_specs(plan.routes, "nccl" if tr.dev.type == "cuda" else "gloo", self.verify, checks,
+                            lambda rank: (HOST, free_port(HOST)))
+        self.held = specs.held   # engines whose loads only the coordinator can check: paused until it has
+        for n in plan.routes:
+            hosts[n].send("setup", tr.layouts, *specs.receivers[n], self.verify)
+        # returns once every rank of a broadcast group joined and warmed up
+        self.sender = WeightSender(tr.layouts, tr.dev, specs.senders.get(0, {}), self.verify, timeout_s=TIMEOUT_S,
+                                   abort_flag=AbortFlag.private())   # polled, as a run's
         for h in hosts.values():
             h.get()
-        self.sender = WeightSender(tr.layouts, tr.dev, ipc, self.group, self.verify, bcast_sums=bcast_sums,
-                                   timeout_s=TIMEOUT_S, abort_flag=AbortFlag.private())   # polled, as a run's
+        self.group = self.sender.group
+        group = specs.senders.get(0, {}).get("broadcast")
         a = self.args
-        if a.engine == "sglang" and group is not None and bcast_sums and (a.naive or not a.no_one_call):
+        if a.engine == "sglang" and group is not None and group["sums"] and (a.naive or not a.no_one_call):
             # Our receiver in SGLang's scheduler holds our group; SGLang's own calls need a group SGLang joined itself.
             own = {**group, "port": free_port(HOST), "sums": False}
             for n, r in plan.routes.items():
@@ -163,8 +159,10 @@ class Case:
             self.own_group.warmup()
             for h in hosts.values():
                 h.get()
-        for e in ipc:
-            self.sender.attach_mailbox(e, hosts[e].call("connect_stream", self.sender.buffer_handles()))
+        offers = self.sender.offers()
+        for n in plan.routes:
+            name = specs.receivers[n][0]
+            self.sender.accept(name, n, hosts[n].call("connect", offers[name]))
 
     def _raw_group(self, key: str, hosts) -> BroadcastGroup:
         port, world = free_port(HOST), len(hosts) + 1
@@ -217,10 +215,7 @@ class Case:
         sent = self.sender.send(iter(tr.params.items()), version, self.sync_id)
         synced = {n: hosts[n].get() for n in hosts}
         t_transfer = time.perf_counter()
-        acks, sums = {}, {}
-        for n, r in synced.items():
-            (acks if plan.routes[n].transport == "ipc" else sums)[n] = r["sums"]
-        bad = mismatches(plan, tr.layouts, [sent.checksums], [acks], sums) if self.verify else []
+        bad = mismatches(plan, tr.layouts, [sent.checksums], {n: r["sums"] for n, r in synced.items()}) if self.verify else []
         t_verify = time.perf_counter()
         if bad:
             raise AssertionError(f"sync v{version} failed verification: " + "; ".join(bad))

@@ -41,6 +41,21 @@ def stop_children(procs, timeout=5.0):
             p.join(5)
 
 
+def ipc_spec(*engines: str) -> dict:
+    """A sender's specs for a rank streaming to `engines` (ipc_stream.py)."""
+    return {"ipc": {"engines": list(engines)}}
+
+
+def group_spec(port: int, world_size: int, sums: bool = False, backend: str = "gloo", rank: int | None = None) -> dict:
+    """One member's broadcast spec (broadcast.py): rank 0's without `rank`, a receiver's with it."""
+    spec = {"backend": backend, "host": HOST, "port": port, "world_size": world_size, "sums": sums}
+    return spec if rank is None else {**spec, "rank": rank}
+
+
+def connect_ipc(sender, name: str, recv, timeout_s: float = CHILD_TIMEOUT_S) -> None:
+    """Setup's handshake for one colocated receiver in this process: open, connect with the offer, accept."""
+    recv.open("ipc", {}, timeout_s)
+    sender.accept("ipc", name, recv.connect(sender.offers()["ipc"]))
 
 
 def in_process_streams(sender, receivers: dict, timeout_s: float = CHILD_TIMEOUT_S, verify: bool = True):
@@ -50,7 +65,7 @@ def in_process_streams(sender, receivers: dict, timeout_s: float = CHILD_TIMEOUT
     for name, recv in receivers.items():
         if recv.abort_flag is None:
             recv.abort_flag = AbortFlag.private()
-        sender.attach_mailbox(name, recv.connect_stream(sender.buffer_handles(), timeout_s))
+        connect_ipc(sender, name, recv, timeout_s)
     ids = itertools.count(1)
 
     def sync(named):

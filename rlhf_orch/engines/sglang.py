@@ -158,7 +158,6 @@ class SGLangEngine(SchedulerStream, EngineLifecycle):
         self._layouts: list[BucketLayout] = []
         self._requests: list[tuple] = []
         self._group = False               # joined our group through SGLang's own API (bucket by bucket)
-        self._bstream = False             # joined it with our receiver in the scheduler (one call per sync)
         self._verify = True
         self._loads = 0                   # load_weights calls since the hook was (re)installed
         self._sums: dict[str, int] = {}
@@ -289,12 +288,13 @@ class SGLangEngine(SchedulerStream, EngineLifecycle):
                       finish_reason=reason, weight_version=self.weight_version, engine=self.name, text=out.get("text") or "")
 
     # ---- weight sync (the actor shell forwards these) --------------------------------------------------
-    def setup_receiver(self, layouts, group: dict | None, rank_offset: int, verify: bool, timeout_s: float,
+    def setup_receiver(self, layouts, transport: str, spec: dict, verify: bool, timeout_s: float,
                        replay: bool = True, abort_flag: str | None = None) -> float:
-        """Install the hook; with `group`, join it and warm it up. Returns seconds. A single-GPU engine whose syncs the
-        coordinator streams (`group["sums"]`: the trainer's checksums follow the buckets) joins with our receiver in
-        its scheduler (sglang_stream.py); otherwise SGLang's own API joins (TP rank k as rank_offset + k). `replay`
-        applies to our receiver. `abort_flag`: the rollout actor's (`aborts_syncs`), which that receiver polls."""
+        """Install the hook and open this engine's side of `transport` (weight_sync/transport.py). Returns seconds. A
+        single-GPU engine takes every transport with our receiver in its scheduler (sglang_stream.py), provided over
+        broadcast that the trainer's checksums follow the buckets (the spec's `sums`); a tensor-parallel one joins the
+        broadcast group through SGLang's own API (TP rank k as the spec's rank + k). `replay` applies to our
+        receiver. `abort_flag`: the rollout actor's (`aborts_syncs`), which that receiver polls."""
         self._need_weights_awake("setup_receiver")
         t0 = time.perf_counter()
         if abort_flag:
@@ -305,14 +305,21 @@ class SGLangEngine(SchedulerStream, EngineLifecycle):
         self._requests = [bucket_request(lay) for lay in self._layouts]
         self.close()
         self._install(verify)
-        self._bstream = self._ipc_stream = False
-        if group is not None and group.get("sums") and self.tensor_parallel_size == 1:
+        self._transport = self._abort_side = None
+        if self.tensor_parallel_size == 1 and (transport != "broadcast" or spec.get("sums")):
             # The coordinator streams to us (capabilities.checks_loads): our receiver in the scheduler, one call per sync.
-            self.join_stream_group(group, rank_offset, timeout_s)
-            self._bstream = True
-        elif group is not None:
-            self.join_own_group(group, rank_offset)
+            self.open_stream(transport, spec, timeout_s)
+        elif transport == "broadcast":
+            self.join_own_group(spec, int(spec["rank"]))
+        else:
+            raise EngineError(f"engine {self.name}: a tensor-parallel SGLang engine takes weights over broadcast only "
+                              f"(SGLang's own group), not {transport}")
         return time.perf_counter() - t0
+
+    def connect(self, offer):
+        """Setup's second round: our receiver in the scheduler connects (ipc: it opens the trainer rank's buffers and
+        answers with its mailbox); SGLang's own group answers nothing."""
+        return self.connect_stream(offer) if self._transport is not None else None
 
     def join_own_group(self, group: dict, rank_offset: int) -> None:
         """Join `group` through SGLang's own `init_weights_update_group` (TP rank k as rank_offset + k) and warm it up:
@@ -333,20 +340,15 @@ class SGLangEngine(SchedulerStream, EngineLifecycle):
                     rank_offset + self.tensor_parallel_size - 1, group["world_size"])
 
     def receive(self, sync_id: int, verify: bool = True) -> tuple[list[int], dict[str, float]]:
-        """One whole sync over the transport set up: the colocated stream (`connect_stream`) or the broadcast group."""
-        if self._ipc_stream:
+        """One whole sync over the transport set up; returns (checksums, seconds per phase). Our receiver in the
+        scheduler: one call (it polls the abort flag of sync `sync_id`). SGLang's own group: one
+        update_weights_from_distributed call per bucket (`sync_id` unused: SGLang's own receive ends at its group's
+        timeout, or when rank 0 leaves)."""
+        if self._transport is not None:
             return self.receive_stream(sync_id, verify)
-        return self.receive_broadcast(verify, sync_id)
-
-    def receive_broadcast(self, verify: bool = True, sync_id: int = 0) -> tuple[list[int], dict[str, float]]:
-        """A whole sync over broadcast; returns (checksums, seconds per phase). Single-GPU: one call, our receiver in
-        the scheduler (it polls the abort flag of sync `sync_id`). Otherwise one update_weights_from_distributed call
-        per bucket (`sync_id` unused: SGLang's own receive ends at its group's timeout, or when rank 0 leaves)."""
-        if self._bstream:
-            return self.receive_broadcast_stream(sync_id, verify)
-        self._need_weights_awake("receive_broadcast")
+        self._need_weights_awake("receive")
         if not self._group:
-            raise EngineError(f"engine {self.name}: receive_broadcast before setup_receiver with a group")
+            raise EngineError(f"engine {self.name}: receive before setup_receiver")
         if verify and not self._verify:
             self._install(True)
         t0 = time.perf_counter()

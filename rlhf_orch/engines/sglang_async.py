@@ -13,25 +13,25 @@ TokenizerManager runs on, is that loop; engine.py:302-306) and offers blocking, 
 Engine's own blocking methods (`update_weights_from_*`, `flush_cache`, ...) call `self.loop.run_until_complete`,
 which cannot drive a loop another thread runs; `Engine.loop` is replaced by `_OnLoop`, which runs them there.
 
-Why `in_place` (issue #27: pauses under 50 ms at 512 running requests): SGLang's retract pause releases each
-request's KV in turn (0.18 ms per request, bench/RESULTS.md). A "keep" pause takes a light census in the scheduler
+Why `in_place` (issue #27: pauses under 50 ms at 512 running requests): SGLang's retract pause releases each request's
+KV in turn (0.18 ms per request, bench/RESULTS.md). A "keep" pause takes a light census in the scheduler
 (engines/sglang_sched.py, op "count": it waits for the GPU step in flight, so no weight is written under a running
-forward); after the load, `finish_sync` (or `resume`) has it retract (op "retract"). Continuing in place on
-old-weight KV is never done: later tokens would not be the new policy's. An "abort" pause has it drop (op "drop").
+forward); after the load, `finish_sync` (or `resume`) has it retract (op "retract"). Continuing in place on old-weight
+KV is never done: later tokens would not be the new policy's. An "abort" pause has it drop (op "drop").
 
-Exact version stamps. SGLang's pause is fire-and-forget (tokenizer_manager.py:1974-1993) and the tokens of the
-last steps reach the TokenizerManager through the detokenizer process, after the pause returned. So the pause
-asks the paused scheduler, in a control message queued behind the pause (one socket, FIFO), how many tokens each
-of its requests has (or will have once the pending step is processed). The retraction reports the exact counts;
-before the versions switch, each stream must have received exactly that many (requests that finished before the
-pause: their final output): `resume()` waits for that, so a "keep" pause returns without waiting for the
-detokenizer's backlog (seconds at hundreds of running requests on vLLM, issue #27), which arrives while the weights
-load. Nothing is generated until `resume()` sends continue_generation, and it switches the versions first: tokens
-sampled before the pause carry the old version, all after it the new one.
+Exact version stamps. SGLang's pause is fire-and-forget (tokenizer_manager.py:1974-1993) and the tokens of the last
+steps reach the TokenizerManager through the detokenizer process, after the pause returned. So the pause asks the
+paused scheduler, in a control message queued behind the pause (one socket, FIFO), how many tokens each of its
+requests has (or will have once the pending step is processed). The retraction reports the exact counts; before the
+versions switch, each stream must have received exactly that many (requests that finished before the pause: their
+final output): `resume()` waits for that, so a "keep" pause returns without waiting for the detokenizer's backlog
+(seconds at hundreds of running requests on vLLM, issue #27), which arrives while the weights load. Nothing is
+generated until `resume()` sends continue_generation, and it switches the versions first: tokens sampled before the
+pause carry the old version, all after it the new one.
 
-Not supported: sleep with requests in flight or kept (SGLang asserts an idle scheduler), stop strings,
-data/pipeline parallelism, SGLang's own n > 1 (n is flattened to n requests, as in SGLangEngine). Weight loading
-and verification are SGLangEngine's, unchanged; SGLang is imported lazily.
+Not supported: sleep with requests in flight or kept (SGLang asserts an idle scheduler), stop strings, data/pipeline
+parallelism, SGLang's own n > 1 (n is flattened to n requests, as in SGLangEngine). Weight loading and verification
+are SGLangEngine's, unchanged; SGLang is imported lazily.
 """
 from __future__ import annotations
 
@@ -54,8 +54,6 @@ from rlhf_orch.errors import EngineError
 from rlhf_orch.types import Sample
 
 logger = logging.getLogger(__name__)
-
-
 Row = tuple   # (prompt_index, token_ids, logprobs (None: missing), token_versions, finish_reason, text)
 
 
@@ -108,9 +106,9 @@ class AsyncSGLangRunner:
                  start_timeout_s: float = 1800.0, drain_timeout_s: float = 10.0, gc_freeze: bool = True):
         """`make_engine()` builds the engine (called on the loop thread); `census(op)` (called from the pausing
         thread, after SGLang's pause) returns every TP rank's record of engines/sglang_sched.py's op ("count",
-        "retract" or "drop"), whose "census" is {rid: tokens} of the requests the paused scheduler holds.
-        `gc_freeze`: as AsyncVLLMRunner's: the objects made at start-up leave the cyclic collector's reach, so a
-        full collection (it stops the loop thread) walks only what requests made since (was ~430 ms each)."""
+        "retract" or "drop"), whose "census" is {rid: tokens} of the requests the paused scheduler holds. `gc_freeze`:
+        as AsyncVLLMRunner's: the objects made at start-up leave the cyclic collector's reach, so a full collection
+        (it stops the loop thread) walks only what requests made since (was ~430 ms each)."""
         self.census = census
         self.drain_timeout_s = drain_timeout_s
         self.paused_mode: str | None = None
@@ -155,13 +153,12 @@ class AsyncSGLangRunner:
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling_params: Sequence[dict],
                  version_fn: Callable[[], int]) -> list[Row]:
-        """One request per prompt (SGLang sampling-params dicts, n=1), all at once; rows in prompt order.
-        While paused, the requests wait until resume()."""
+        """One request per prompt (SGLang sampling-params dicts, n=1), all at once; rows in prompt order. While
+        paused, the requests wait until resume()."""
         if len(sampling_params) != len(prompt_ids):
             raise EngineError(f"{len(sampling_params)} sampling parameters for {len(prompt_ids)} prompts")
-        if not prompt_ids:
-            return []
-        return self._call(self._generate([[int(t) for t in p] for p in prompt_ids], list(sampling_params), version_fn))
+        prompts = [[int(t) for t in p] for p in prompt_ids]
+        return self._call(self._generate(prompts, list(sampling_params), version_fn)) if prompts else []
 
     async def _generate(self, prompts, sps, version_fn) -> list[Row]:
         call = _Call(version_fn, int(version_fn()))
@@ -235,12 +232,12 @@ class AsyncSGLangRunner:
 
     # ---- pause / resume --------------------------------------------------------------------------
     def pause(self, mode: str, keep_mode: str = "in_place", abort_mode: str = "in_place") -> None:
-        """Returns once paused: "wait" when every request ended; "keep" once the scheduler is paused and has said
-        how many tokens each request has (the tokens still on their way from the detokenizer are waited for in
-        `resume`, after the weights loaded, before later tokens get the new version: the pause does not wait for
-        that backlog, as the vLLM engine's does not); "abort" once every request ended (with the tokens that reached
-        it: the caller re-queues them). `keep_mode`, `abort_mode`: SGLang's pause for "keep" and "abort" ("retract":
-        the pauses before the sixteenth and seventeenth sessions, StreamingSGLangEngine.keep_pause / abort_pause)."""
+        """Returns once paused: "wait" when every request ended; "keep" once the scheduler is paused and has said how
+        many tokens each request has (those still on their way from the detokenizer are waited for in `resume`, after
+        the load, before later tokens get the new version); "abort" once every request ended (with the tokens that
+        reached it: the caller re-queues them). `keep_mode`, `abort_mode`: SGLang's pause for "keep" and "abort"
+        ("retract": the pauses before the sixteenth and seventeenth sessions, StreamingSGLangEngine.keep_pause /
+        abort_pause)."""
         if mode not in PAUSE_MODES:
             raise EngineError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         if self.paused_mode is not None:
@@ -441,10 +438,10 @@ class StreamingSGLangEngine(SGLangEngine):
         self._call("census", self.engine.update_weights_from_tensor, [(PREFIX + cfg, torch.empty(0))],
                    load_format=CENSUS, flush_cache=False)
         recs = self._reports(self._census_seq, prefix="census")
-        bad = [r for r in recs if r.get("error")]
-        if bad:
-            raise EngineError(f"engine {self.name}: the scheduler's {op} failed on TP rank {bad[0]['rank']}: "
-                              f"{bad[0]['error']}")
+        for r in recs:
+            if r.get("error"):
+                raise EngineError(f"engine {self.name}: the scheduler's {op} failed on TP rank {r['rank']}: "
+                                  f"{r['error']}")
         return recs
 
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list[Sample]:

@@ -3,13 +3,12 @@
 SGLang's own paths take one call per bucket (`update_weights_from_tensor` colocated, `update_weights_from_distributed`
 over broadcast): a round trip through the tokenizer manager and the scheduler (~1.5 ms each), then SGLang's
 `load_weights` in Python, then our checksum of what it received, bucket after bucket. This module gives a
-single-GPU SGLang engine what our vLLM workers have (vllm_worker.py), on both transports:
-- colocated (ipc): at setup, one control request (`CONNECT`) makes a `WeightReceiver` in the scheduler that opens the
-  trainer rank's ring buffers once and creates the shared-memory mailbox (weight_sync/mailbox.py); per sync, one
-  request (`STREAM`) runs the receiver's `receive` there (weight_sync/ipc_stream.py);
-- disaggregated (broadcast): at setup, one request (`JOIN`) makes the receiver there and joins our broadcast group
-  (rank 0 is the trainer's `BroadcastGroup`; the group's checksums follow the last bucket); per sync, one request
-  (`BCAST`) runs `receive` there (weight_sync/broadcast.py): bucket k + 1's receive is posted before bucket k loads.
+single-GPU SGLang engine what our vLLM workers have (vllm_worker.py), over any transport (weight_sync/transport.py):
+- at setup, one control request (`OPEN`) makes a `WeightReceiver` in the scheduler and opens its side of the
+  transport (broadcast: joins our group, whose rank 0 is the trainer's and whose checksums follow the last bucket), and
+  one (`CONNECT`) connects it with the trainer rank's offer (ipc: it opens the rank's ring buffers once and makes the
+  shared-memory mailbox, weight_sync/mailbox.py, which is its answer);
+- per sync, one request (`RECEIVE`) runs the receiver's `receive` there (ipc_stream.py, broadcast.py).
 Either way each bucket is loaded by SGLang's `load_weights` at the first sync and by the recorded copies afterwards
 (weight_sync/replay.py), every tensor is compared with the trainer's checksum before the call returns, and the
 receiver polls the rollout actor's abort flag (weight_sync/abort.py), so a sync another member abandons ends here at
@@ -25,30 +24,30 @@ no SGLang.
 """
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
 import pickle
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from rlhf_orch.engines.base import Capabilities
 from rlhf_orch.errors import EngineError
 from rlhf_orch.weight_sync.abort import AbortFlag
-from rlhf_orch.weight_sync.mailbox import Mailbox
 from rlhf_orch.weight_sync.receiver import ReceivedSums, WeightReceiver
 from rlhf_orch.weight_sync.replay import LoadReplay
+from rlhf_orch.weight_sync.transports import sides
 
 logger = logging.getLogger(__name__)
 
 HOOK = "rlhf_orch.engines.sglang.rlhf_sglang_hook"     # our custom_weight_loader (runs in the schedulers)
+OPEN = "rlhf_orch.open:"
 CONNECT = "rlhf_orch.connect:"
-STREAM = "rlhf_orch.stream:"
-JOIN = "rlhf_orch.join:"
-BCAST = "rlhf_orch.bcast:"
+RECEIVE = "rlhf_orch.receive:"
 
 
 def write_report(folder: str, name: str, rec: dict) -> None:
@@ -62,7 +61,7 @@ def write_report(folder: str, name: str, rec: dict) -> None:
 # ---- inside the SGLang scheduler (called by the hook with the model and one request name) -----------------
 def stream_request(model, name: str) -> bool:
     """Serve `name` if it is a stream request (False otherwise); the result or the error goes to a report."""
-    for prefix, serve in ((CONNECT, _connect), (STREAM, _stream), (JOIN, _join), (BCAST, _bcast)):
+    for prefix, serve in ((OPEN, _open), (CONNECT, _connect), (RECEIVE, _receive)):
         if name.startswith(prefix):
             cfg = json.loads(name[len(prefix):])
             state = getattr(model, "_rlhf_state", None) or {}
@@ -78,12 +77,18 @@ def stream_request(model, name: str) -> bool:
     return False
 
 
-def _receiver(model, state: dict, cfg: dict) -> tuple[WeightReceiver, list]:
-    """A new receiver for this scheduler's model, and the trainer's buffer handles (ipc; None over broadcast). A
-    re-plan lets go of the old receiver's buffers or group first."""
+def _args(cfg: dict) -> Any:
+    """The request's pickled arguments (layouts and handles are too much for a request's name); the file goes."""
     with open(cfg["args"], "rb") as f:
-        layouts, handles = pickle.load(f)
+        args = pickle.load(f)
     os.unlink(cfg["args"])
+    return args
+
+
+def _open(model, state: dict, cfg: dict) -> dict:
+    """A new receiver for this scheduler's model, its side of the transport opened. A re-plan lets go of the old
+    receiver's buffers or group first."""
+    layouts, transport, spec = _args(cfg)
     old = state.pop("stream", None)
     if old is not None:   # a re-plan (an engine replaced beside this one): let go of the old trainer buffers or group
         old.close()
@@ -97,56 +102,39 @@ def _receiver(model, state: dict, cfg: dict) -> tuple[WeightReceiver, list]:
         state["abort"], state["abort_path"] = AbortFlag.attach(abort["link"]), abort["path"]
         Path(abort["link"]).unlink(missing_ok=True)
     rec.abort_flag = state.get("abort")   # the coordinator's abort_sync ends this sync's waits at once (#33)
-    return rec, handles
+    secs = rec.open(transport, spec, float(cfg["timeout_s"]))
+    state["stream"] = rec
+    return {"open_s": secs}
 
 
-def _connect(model, state: dict, cfg: dict) -> dict:
-    rec, handles = _receiver(model, state, cfg)
-    box = rec.connect_stream(handles, float(cfg["timeout_s"]))
-    state["stream"], state["transport"] = rec, "ipc"
-    return {"mailbox": box.decode()}
-
-
-def _join(model, state: dict, cfg: dict) -> dict:
-    rec, _ = _receiver(model, state, cfg)
-    g = cfg["group"]
-    secs = rec.join_group(g["backend"], g["host"], int(g["port"]), int(cfg["rank"]), int(g["world_size"]),
-                          float(cfg["timeout_s"]), g.get("local_host"), expect_sums=True)
-    state["stream"], state["transport"] = rec, "broadcast"
-    return {"join_s": secs}
-
-
-def _current(state: dict, transport: str) -> WeightReceiver:
+def _current(state: dict) -> WeightReceiver:
     rec = state.get("stream")
-    if rec is None or state.get("transport") != transport:
-        first = "connect_stream" if transport == "ipc" else "setup_receiver with a broadcast group"
-        raise RuntimeError(f"no {transport} stream in this scheduler: {first} first")
+    if rec is None:
+        raise RuntimeError("no receiver in this scheduler: setup_receiver first")
     return rec
 
 
-def _stream(model, state: dict, cfg: dict) -> dict:
-    rec = _current(state, "ipc")
-    rec.set_replay(bool(cfg["replay"]))
-    sums, m = rec.receive(int(cfg["sync_id"]), bool(cfg["verify"]))
-    return {"sums": sums, **m}
+def _connect(model, state: dict, cfg: dict) -> dict:
+    answer = _current(state).connect(_args(cfg))
+    return {"answer": base64.b64encode(pickle.dumps(answer)).decode()}
 
 
-def _bcast(model, state: dict, cfg: dict) -> dict:
-    rec = _current(state, "broadcast")
+def _receive(model, state: dict, cfg: dict) -> dict:
+    rec = _current(state)
     rec.set_replay(bool(cfg["replay"]))
-    sums, m = rec.receive(int(cfg["sync_id"]), bool(cfg["verify"]))   # an aborted one leaves the group
+    sums, m = rec.receive(int(cfg["sync_id"]), bool(cfg["verify"]))   # an aborted broadcast leaves the group
     return {"sums": sums, **m}
 
 
 # ---- in the engine's actor (mixed into SGLangEngine) ---------------------------------------------------
 class SchedulerStream:
-    """SGLangEngine's side of the stream: `connect_stream` / `receive_stream` (ipc), `join_stream_group` /
-    `receive_broadcast_stream` (broadcast), `abort_stream`, `set_replay`, and the abort flag (`keep_abort_flag`) the
+    """SGLangEngine's side of the stream: `open_stream` / `connect_stream` / `receive_stream` (setup's handshake and a
+    sync, over whichever transport), `abort_stream`, `set_replay`, and the abort flag (`keep_abort_flag`) the
     scheduler's receiver polls."""
 
     _stream_seq = 0
-    _box: Mailbox | None = None
-    _ipc_stream = False   # connect_stream made this engine's transport ipc (SGLangEngine.receive)
+    _transport: str | None = None       # the transport our receiver in the scheduler opened (None: not opened there)
+    _abort_side: Callable[[], None] | None = None   # fails the sync from here while the scheduler is busy receiving
     _replay = True
     _abort: dict | None = None   # {"path": the rollout actor's flag, "link": a name of it the scheduler maps}
 
@@ -177,54 +165,50 @@ class SchedulerStream:
         if link:
             Path(link).unlink(missing_ok=True)
 
-    def connect_stream(self, handles, timeout_s: float) -> bytes:
-        """Have the scheduler open the trainer rank's ring buffers; returns its mailbox's handle for the trainer."""
-        self._need_weights_awake("connect_stream")
-        rec = self._stream_call("connecting the ipc stream", CONNECT, args=self._args_file("stream", handles),
+    def open_stream(self, transport: str, spec: dict, timeout_s: float) -> float:
+        """Have the scheduler make its receiver and open its side of `transport` (returns seconds; a broadcast group
+        blocks until every member joined and warmed up, as the trainer's side does)."""
+        self._transport, self._abort_side = None, None
+        rec = self._stream_call(f"opening the {transport} side of the weight sync", OPEN,
+                                args=self._args_file("open", (list(self._layouts), transport, dict(spec))),
                                 timeout_s=float(timeout_s), replay=self._replay, abort=self._abort)
-        handle = rec["mailbox"].encode()
-        self._box = Mailbox.observe(handle)   # before the first sync unlinks it: abort_stream writes through it
-        self._ipc_stream = True
-        return handle
+        self._transport = transport
+        logger.info("engine %s: opened its %s side of the weight sync in its scheduler%s", self.name, transport,
+                    f" as rank {spec['rank']}" if "rank" in spec else "")
+        return float(rec["open_s"])
 
-    def join_stream_group(self, group: dict, rank: int, timeout_s: float) -> float:
-        """Have the scheduler make its receiver and join our broadcast group as `rank` (returns seconds; blocks until
-        every member joined and warmed up, as the trainer's side does)."""
-        rec = self._stream_call("joining the weight-sync group", JOIN, args=self._args_file("join", None),
-                                group=dict(group), rank=int(rank), timeout_s=float(timeout_s), replay=self._replay,
-                                abort=self._abort)
-        logger.info("engine %s: joined the weight-sync group as rank %d of %d (our receiver in its scheduler)",
-                    self.name, rank, group["world_size"])
-        return float(rec["join_s"])
+    def connect_stream(self, offer: Any) -> Any:
+        """Setup's second round, in the scheduler: the trainer rank's offer -> our answer (ipc: the mailbox)."""
+        self._need_weights_awake("connect")
+        if self._transport is None:
+            raise EngineError(f"engine {self.name}: connect before setup_receiver opened a transport in the scheduler")
+        rec = self._stream_call(f"connecting its {self._transport} side", CONNECT, args=self._args_file("connect", offer))
+        answer = pickle.loads(base64.b64decode(rec["answer"]))
+        # Before the first sync unlinks what it answered with: abort_stream fails the sync through it from here.
+        self._abort_side = None if answer is None else sides(self._transport)[1].watch(answer)
+        return answer
 
     def receive_stream(self, sync_id: int, verify: bool = True) -> tuple[list[int], dict[str, float]]:
-        """One ipc sync, every bucket checked in the scheduler against the trainer's checksums."""
-        self._need_weights_awake("receive_stream")
-        return self._synced(STREAM, sync_id, verify, ("load_s", "wait_s", "total_s", "on_device"))
-
-    def receive_broadcast_stream(self, sync_id: int, verify: bool = True) -> tuple[list[int], dict[str, float]]:
-        """One broadcast sync, received, loaded and checked in the scheduler (the trainer's checksums follow the last
-        bucket)."""
-        self._need_weights_awake("receive_broadcast")
-        return self._synced(BCAST, sync_id, verify, ("load_s", "total_s"))
-
-    def _synced(self, prefix: str, sync_id: int, verify: bool, keys: tuple) -> tuple[list[int], dict[str, float]]:
-        rec = self._stream_call(f"sync {sync_id}", prefix, sync_id=int(sync_id), verify=bool(verify),
+        """One sync, every bucket checked in the scheduler against the trainer's checksums."""
+        self._need_weights_awake("receive")
+        if self._transport is None:
+            raise EngineError(f"engine {self.name}: no receiver in the scheduler: setup_receiver first")
+        rec = self._stream_call(f"sync {sync_id}", RECEIVE, sync_id=int(sync_id), verify=bool(verify),
                                 replay=self._replay)
         sums = [int(x) for x in rec["sums"]]
         if verify:
             self._sums.update(zip((n for lay in self._layouts for n in lay.names), sums))
-        return sums, {k: float(rec.get(k, 0.0)) for k in keys}
+        return sums, {k: float(v) for k, v in rec.items() if k not in ("sums", "seq")}
 
-    def _args_file(self, what: str, handles) -> str:
-        """The layouts (and ipc handles) for the scheduler, in a file: handles are bytes and layouts dataclasses,
-        too much for the request's name."""
+    def _args_file(self, what: str, args: Any) -> str:
+        """Arguments for the scheduler, in a file: handles are bytes and layouts dataclasses, too much for the
+        request's name."""
         if self.tensor_parallel_size != 1:
             raise EngineError(f"engine {self.name}: a sync in one call needs a single-GPU engine "
                               "(tensor_parallel_size 1)")
         path = os.path.join(self._dir, f"{what}_args_{self._stream_seq + 1}.pkl")
         with open(path, "wb") as f:
-            pickle.dump((list(self._layouts), None if handles is None else list(handles)), f)
+            pickle.dump(args, f)
         return path
 
     def set_replay(self, enabled: bool) -> None:
@@ -232,9 +216,10 @@ class SchedulerStream:
         self._replay = bool(enabled)
 
     def abort_stream(self) -> None:
-        """Tell the trainer rank this sync will not be taken (it stops waiting at once)."""
-        if self._box is not None:
-            self._box.fail()
+        """Tell the trainer rank this sync will not be taken (it stops waiting at once, where it waits on our answer;
+        a broadcast sender hears of it from the coordinator)."""
+        if self._abort_side is not None:
+            self._abort_side()
 
     def _stream_call(self, what: str, prefix: str, **cfg: Any) -> dict:
         self._stream_seq += 1

@@ -160,17 +160,28 @@ class VLLMEngine(EngineLifecycle):
                       finish_reason=reason, weight_version=self.weight_version, engine=self.name, text=c.text)
 
     # ---- weight sync (the actor shell forwards these; receivers live in the vLLM workers) ----------
-    def setup_receiver(self, layouts, group: dict | None, rank_offset: int, verify: bool, timeout_s: float,
+    def setup_receiver(self, layouts, transport: str, spec: dict, verify: bool, timeout_s: float,
                        replay: bool = True, abort_flag: str | None = None) -> float:
-        """Build a receiver in every worker; with `group`, worker k joins as rank rank_offset + k. Returns seconds.
-        `replay`: load by replaying the recorded copies after the first sync (vllm_worker.py). `abort_flag`: the
-        actor's flag (its file path), which every worker maps so that an aborted sync ends there at once."""
+        """Build a receiver in every worker and open its side of `transport` (weight_sync/transport.py; worker k of a
+        group member takes the spec's rank + k). Returns seconds. `replay`: load by replaying the recorded copies
+        after the first sync (vllm_worker.py). `abort_flag`: the actor's flag (its file path), which every worker maps
+        so that an aborted sync ends there at once."""
         self._need_weights_awake("setup_receiver")
-        group = None if group is None else {k: group[k] for k in ("backend", "host", "port", "world_size", "sums")
-                                            if k in group}
-        secs = self._rpc("rlhf_setup_receiver", pack_arg(list(layouts)), group, int(rank_offset), bool(verify),
+        secs = self._rpc("rlhf_setup_receiver", pack_arg(list(layouts)), str(transport), dict(spec), bool(verify),
                          float(timeout_s), bool(replay), abort_flag)
         return max(float(s) for s in secs)
+
+    def connect(self, offer):
+        """Setup's second round in every worker; the answer (ipc: a mailbox) comes from a single-worker engine only
+        (plan.py streams to single-worker engines), or None where the transport answers nothing (broadcast)."""
+        self._need_weights_awake("connect")
+        answers = [a for a in self._rpc("rlhf_connect", pack_arg(offer)) if a is not None]
+        if not answers:
+            return None
+        if len(answers) != 1:
+            raise EngineError(f"engine {self.name}: {len(answers)} workers answered the trainer's offer; a transport "
+                              "that answers (ipc) needs a single-worker engine")
+        return bytes(answers[0])
 
     def receive(self, sync_id: int, verify: bool = True) -> tuple[list[int], dict[str, float]]:
         """Every bucket of sync `sync_id` over the transport set up: the colocated stream (one worker) or the broadcast
@@ -183,14 +194,6 @@ class VLLMEngine(EngineLifecycle):
             for k, v in m.items():
                 metrics[k] = max(metrics.get(k, float("-inf")), float(v))
         return sums, metrics
-
-    def connect_stream(self, handles, timeout_s: float) -> bytes:
-        """Colocated engines are single-worker (weight_sync/plan.py): one worker, one mailbox."""
-        self._need_weights_awake("connect_stream")
-        boxes = self._rpc("rlhf_connect_stream", pack_arg(list(handles)), float(timeout_s))
-        if len(boxes) != 1:
-            raise EngineError(f"engine {self.name}: an ipc stream needs a single-worker engine, got {len(boxes)} workers")
-        return bytes(boxes[0])
 
     def set_replay(self, enabled: bool) -> None:
         self._rpc("rlhf_set_replay", bool(enabled))

@@ -32,9 +32,10 @@ import torch
 from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.buckets import BucketLayout, TensorSlot
-from rlhf_orch.weight_sync.ipc import IpcHandle, open_handle
+from rlhf_orch.weight_sync.ipc import as_handle, open_handle
 from rlhf_orch.weight_sync.receiver import ReceivedSums, WeightReceiver
 from rlhf_orch.weight_sync.replay import LoadReplay
+from rlhf_orch.weight_sync.transport import for_worker
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +61,6 @@ def _as_layouts(obj: Any) -> list[BucketLayout]:
             lay = BucketLayout(lay["index"], lay["nbytes"], slots)
         out.append(lay)
     return out
-
-
-def _as_handle(obj: Any) -> IpcHandle:
-    obj = _unpack_arg(obj)
-    return IpcHandle(**obj) if isinstance(obj, dict) else obj
 
 
 class WeightSyncWorkerExtension:
@@ -99,9 +95,10 @@ class WeightSyncWorkerExtension:
     def rlhf_checksums_mode(self) -> str:
         return "received"
 
-    def rlhf_setup_receiver(self, layouts: Any, group: dict | None, rank_offset: int, verify: bool,
-                            timeout_s: float, replay: bool = True, abort_flag: str | None = None) -> float:
-        """Build this worker's receiver; join the broadcast group as rank rank_offset + TP rank. Returns seconds."""
+    def rlhf_setup_receiver(self, layouts: Any, transport: str, spec: dict, verify: bool, timeout_s: float,
+                            replay: bool = True, abort_flag: str | None = None) -> float:
+        """Build this worker's receiver and open its side of `transport` (a group member as the spec's rank + TP
+        rank). Returns seconds."""
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         t0 = time.perf_counter()
@@ -118,13 +115,10 @@ class WeightSyncWorkerExtension:
             if st.get("abort_path") != abort_flag:
                 st["abort"], st["abort_path"] = AbortFlag.attach(abort_flag), abort_flag
             st["receiver"].abort_flag = st["abort"]
-        if group is not None:
-            rank = int(rank_offset) + get_tensor_model_parallel_rank()
-            st["receiver"].join_group(group["backend"], group["host"], int(group["port"]), rank,
-                                      int(group["world_size"]), float(timeout_s), local_host=None,
-                                      expect_sums=bool(group.get("sums")))
-            logger.info("worker on %s joined the weight-sync group as rank %d of %d", self.device, rank,
-                        group["world_size"])
+        spec = for_worker(spec, get_tensor_model_parallel_rank())
+        st["receiver"].open(str(transport), spec, float(timeout_s))
+        logger.info("worker on %s opened its %s side of the weight sync%s", self.device, transport,
+                    f" as rank {spec['rank']}" if "rank" in spec else "")
         return time.perf_counter() - t0
 
     def _rlhf_receiver(self) -> WeightReceiver:
@@ -133,9 +127,10 @@ class WeightSyncWorkerExtension:
             raise RuntimeError("weight receiver not set up: call rlhf_setup_receiver first")
         return rec
 
-    def rlhf_connect_stream(self, handles: Any, timeout_s: float) -> bytes:
-        """Open the colocated trainer rank's two ring buffers once; returns our mailbox's handle (receiver.py)."""
-        return self._rlhf_receiver().connect_stream([_as_handle(h) for h in _unpack_arg(handles)], float(timeout_s))
+    def rlhf_connect(self, offer: Any) -> Any:
+        """Setup's second round: the trainer rank's offer (ipc: its ring buffers' handles) -> our answer (ipc: our
+        mailbox's handle; broadcast: None)."""
+        return self._rlhf_receiver().connect(_unpack_arg(offer))
 
     def rlhf_receive(self, sync_id: int, verify: bool) -> tuple[list[int], dict[str, float]]:
         """Every bucket of one sync over this worker's transport (the colocated stream or the broadcast group), each
@@ -180,7 +175,7 @@ class WeightSyncWorkerExtension:
 
     def rlhf_receive_one_ipc(self, name: str, handle: Any, dtype: str, shape: list[int]) -> None:
         """The naive colocated path: one call and one fresh CUDA IPC handle per parameter."""
-        t = open_handle(_as_handle(handle)).view(dtype_from_name(dtype)).view(tuple(shape))
+        t = open_handle(as_handle(_unpack_arg(handle))).view(dtype_from_name(dtype)).view(tuple(shape))
         with torch.no_grad():
             self._rlhf_model().load_weights([(name, t)])
         torch.cuda.synchronize(self.device)

@@ -20,18 +20,49 @@ import torch
 from rlhf_orch.weight_sync.buckets import max_bucket_bytes
 from rlhf_orch.weight_sync.collective import BroadcastGroup
 from rlhf_orch.weight_sync.mailbox import SLOTS
-from rlhf_orch.weight_sync.transport import ReceiveSide, SendSide
+from rlhf_orch.weight_sync.transport import PlanFacts, ReceiveSide, SendSide
+
+
+def _join(spec: dict, rank: int, timeout_s: float, device: torch.device) -> BroadcastGroup:
+    """Create this member's end of the group and warm it up (blocks until every member has joined)."""
+    group = BroadcastGroup(spec["backend"], spec["host"], int(spec["port"]), rank, int(spec["world_size"]),
+                           float(timeout_s), device, spec.get("local_host"))
+    group.warmup()
+    return group
 
 
 class BroadcastSend(SendSide):
     """Rank 0's end of the group: broadcasts out of the sender's ring buffers."""
 
     name = "broadcast"
+    rendezvous = True   # rank 0 hosts the group's store
 
     def __init__(self, group: BroadcastGroup, bufs: list[torch.Tensor], device: torch.device, sums: bool):
         self.group, self.bufs, self.device, self.sums = group, bufs, device, bool(sums)
         self._pending: list[list] = [[] for _ in range(SLOTS)]
         self.check = None
+        self._alive = True
+
+    @classmethod
+    def specs(cls, routes, facts: PlanFacts) -> tuple[dict[int, dict], dict[str, dict]]:
+        """One group: rank 0 and every worker of every broadcast engine (an engine's first worker's rank is its spec's
+        `rank`; worker k joins as `rank` + k). The trainer's checksums follow the buckets (`sums`) only if every
+        receiver can compare them itself, since every member must take part in that broadcast; otherwise the
+        engines are held for the coordinator to check."""
+        host, port = facts.address
+        sums = facts.verify and all(facts.checks.get(r.engine, True) for r in routes)
+        group = {"backend": facts.backend, "host": host, "port": int(port),
+                 "world_size": 1 + sum(len(r.group_ranks) for r in routes), "sums": sums}
+        return ({0: dict(group)},
+                {r.engine: {**group, "rank": r.group_ranks[0], "hold": facts.verify and not sums} for r in routes})
+
+    @classmethod
+    def open(cls, spec: dict, bufs, device: torch.device, verify: bool, timeout_s: float) -> "BroadcastSend":
+        return cls(_join(spec, 0, timeout_s, device), [b for _, b in bufs], device, bool(spec.get("sums")) and verify)
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
 
     def begin(self, sync_id: int, check, deadline: float, on_device: bool) -> None:
         # NCCL orders each broadcast after the pack queued before it on the stream, so it works on either hand-over.
@@ -51,12 +82,14 @@ class BroadcastSend(SendSide):
             sums_t = torch.tensor(checksums, dtype=torch.int64, device=self.device)
             self.group.wait(self.group.broadcast(sums_t, src=0, async_op=True), self.check)
 
-    def synchronize(self, check=None) -> None:
+    def synchronize(self, check=None) -> bool:
         self.group.synchronize(check)
+        return True
 
     def abandon(self) -> None:
         busy = any(not work.is_completed() for p in self._pending for work in p)
         self._pending = [[] for _ in range(SLOTS)]   # a gloo work keeps the group's sockets open, and the receivers waiting
+        self._alive = False   # out of step with the receivers now: the coordinator builds a new group
         self.group.abandon(busy)
 
     def close(self) -> None:
@@ -75,6 +108,11 @@ class BroadcastReceive(ReceiveSide):
         # Zeroed once: alignment padding is never written, so it stays identical on every rank.
         self.bufs = [torch.zeros(n, dtype=torch.uint8, device=device) for _ in range(2)]
         self.device = device
+
+    @classmethod
+    def open(cls, spec: dict, rx, timeout_s: float) -> "BroadcastReceive":
+        """`spec["rank"]`: this worker's rank in the group (an engine of several workers adds each one's index)."""
+        return cls(_join(spec, int(spec["rank"]), timeout_s, rx.device), rx.layouts, rx.device, bool(spec.get("sums")))
 
     def receive(self, rx, sync_id: int, verify: bool) -> tuple[list[int], dict[str, float]]:
         if self.group is None:

@@ -35,6 +35,11 @@ class IpcHandle:
     device_uuid: str = ""
 
 
+def as_handle(obj) -> IpcHandle:
+    """An IpcHandle from itself or from the dict a msgpack transport (vLLM's collective_rpc) makes of one."""
+    return IpcHandle(**obj) if isinstance(obj, dict) else obj
+
+
 def allocate_shared(nbytes: int, device: torch.device) -> tuple[str, torch.Tensor]:
     """A uint8 buffer another process on `device` can map; returns (buffer_id, tensor)."""
     if device.type == "cpu":

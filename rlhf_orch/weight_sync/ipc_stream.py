@@ -1,7 +1,7 @@
 """The `ipc` transport: a trainer rank streams every bucket of a sync to the engines that share its device.
 
-At setup each engine opens the rank's SLOTS ring buffers once (CUDA IPC, or shared memory on CPU: ipc.py) and makes a
-mailbox (mailbox.py), whose handle the rank attaches (`StreamSend.attach`). Per bucket the sender publishes the
+At setup (transport.py's handshake) the rank offers its SLOTS ring buffers' handles; each engine opens them once (CUDA
+IPC, or shared memory on CPU: ipc.py) and answers with a mailbox (mailbox.py), which the rank maps (`accept`). Per bucket the sender publishes the
 bucket's sequence number and checksums into every engine's mailbox; the engine loads the bucket straight from the
 shared buffer, compares each tensor with the trainer's checksum and acknowledges; the sender waits for that
 acknowledgement before it refills the buffer. No call per bucket: a sync is one call on each side.
@@ -20,20 +20,21 @@ from typing import Sequence
 import torch
 
 from rlhf_orch.errors import WeightSyncError
-from rlhf_orch.weight_sync.ipc import IpcHandle, export_handle, ipc_events, open_event, open_handle
+from rlhf_orch.weight_sync.ipc import IpcHandle, as_handle, export_handle, ipc_events, open_event, open_handle
 from rlhf_orch.weight_sync.mailbox import DEVICE, HOST, SLOTS, Mailbox, seq_of
-from rlhf_orch.weight_sync.transport import ReceiveSide, SendSide
+from rlhf_orch.weight_sync.transport import PlanFacts, ReceiveSide, SendSide
 
 
 class StreamSend(SendSide):
     """One trainer rank's streams to its colocated engines (one mailbox each)."""
 
     name = "ipc"
+    peers_read_buffers = True
 
     def __init__(self, engines: Sequence[str], bufs: list[tuple[str, torch.Tensor]], device: torch.device):
         self.engines = list(engines)
         self.device = device
-        self.handles = [export_handle(bid, b) for bid, b in bufs]   # each engine opens them once (connect_stream)
+        self.handles = [export_handle(bid, b) for bid, b in bufs]   # each engine opens them once (`offer`)
         self.mailboxes: dict[str, Mailbox] = {}
         self._events: list[torch.cuda.Event] | None = None     # ours, one per slot: "bucket packed"
         self._event_handles: list[bytes] = []
@@ -41,7 +42,27 @@ class StreamSend(SendSide):
         self._pending: list[list[tuple[str, int]]] = [[] for _ in range(SLOTS)]
         self.sync_id, self.deadline, self.on_device = 0, 0.0, False
 
-    def attach(self, engine: str, handle: bytes) -> None:
+    @classmethod
+    def specs(cls, routes, facts: PlanFacts) -> tuple[dict[int, dict], dict[str, dict]]:
+        """Each rank feeds the engines on its device; the engines compare every tensor with the trainer's checksums
+        as they load it (every engine of ours can over ipc: an engine that cannot is refused here)."""
+        blind = [r.engine for r in routes if not facts.checks.get(r.engine, True)]
+        if blind:   # plan.py gives ipc to single-worker engines only, and every one of ours streams
+            raise WeightSyncError(f"engines {blind} were planned ipc but cannot take an ipc stream; set "
+                                  "weight_sync.transport: broadcast")
+        senders: dict[int, dict] = {}
+        for r in routes:
+            senders.setdefault(r.sender_rank, {"engines": []})["engines"].append(r.engine)
+        return senders, {r.engine: {} for r in routes}
+
+    @classmethod
+    def open(cls, spec: dict, bufs, device: torch.device, verify: bool, timeout_s: float) -> "StreamSend":
+        return cls(spec["engines"], bufs, device)
+
+    def offer(self) -> list[IpcHandle]:
+        return list(self.handles)
+
+    def accept(self, engine: str, handle: bytes) -> None:
         """`engine` opened our buffers and made its mailbox (`handle`): map it, and trade CUDA events through it."""
         if engine not in self.engines:
             raise ValueError(f"{engine} is not an ipc engine of this rank")
@@ -60,7 +81,7 @@ class StreamSend(SendSide):
         missing = [e for e in self.engines if e not in self.mailboxes]
         if missing:
             raise WeightSyncError(f"ipc engines {missing} have no stream to this trainer rank: each colocated engine "
-                                  "connects its stream at setup (connect_stream, then attach)")
+                                  "connects at setup (the receiver's connect, then the sender's accept)")
         self.sync_id, self.deadline, self.on_device = sync_id, deadline, on_device
         self._pending = [[] for _ in range(SLOTS)]
         for box in self.mailboxes.values():
@@ -103,26 +124,40 @@ class StreamReceive(ReceiveSide):
 
     name = "ipc"
 
-    def __init__(self, buffer_handles: Sequence[IpcHandle], n_tensors: int, device: torch.device, timeout_s: float):
+    def __init__(self, n_tensors: int, device: torch.device, timeout_s: float):
+        self.n_tensors = n_tensors
+        self.device = device
+        self.timeout_s = float(timeout_s)
+        self.bufs: list[torch.Tensor] = []
+        self.mailbox: Mailbox | None = None       # made at `connect`
+        self._events: list[torch.cuda.Event] | None = None        # ours, one per slot: "loaded from slot"
+        self._peer_events: list[torch.cuda.Event] | None = None   # the sender's, opened at the first device sync
+
+    @classmethod
+    def open(cls, spec: dict, rx, timeout_s: float) -> "StreamReceive":
+        return cls(rx.firsts[-1], rx.device, timeout_s)
+
+    @classmethod
+    def watch(cls, answer: bytes):
+        return Mailbox.observe(answer).fail   # the mailbox we answered with, mapped before the first sync unlinks it
+
+    def connect(self, buffer_handles: Sequence[IpcHandle]) -> bytes:
+        """Open the rank's ring buffers once and make our mailbox; returns its handle (the sender's `accept`)."""
         if len(buffer_handles) != SLOTS:
             raise ValueError(f"a stream needs {SLOTS} sender buffers, got {len(buffer_handles)}: the trainer and this "
                              "engine read RLHF_ORCH_SYNC_SLOTS differently; unset it or set it alike for both")
-        self.device = device
-        self.timeout_s = float(timeout_s)
-        self.bufs = [open_handle(h) for h in buffer_handles]
-        self.mailbox = Mailbox.create(n_tensors)
-        self._events: list[torch.cuda.Event] | None = None        # ours, one per slot: "loaded from slot"
-        self._peer_events: list[torch.cuda.Event] | None = None   # the sender's, opened at the first device sync
-        if device.type == "cuda":
-            self._events, handles = ipc_events(SLOTS, device)
+        self.close()
+        self.bufs = [open_handle(as_handle(h)) for h in buffer_handles]
+        self.mailbox = Mailbox.create(self.n_tensors)
+        if self.device.type == "cuda":
+            self._events, handles = ipc_events(SLOTS, self.device)
             self.mailbox.put_events(False, handles)
-
-    def handle(self) -> bytes:
-        """The mailbox's handle, for the sender (`StreamSend.attach`)."""
         return self.mailbox.handle()
 
     def receive(self, rx, sync_id: int, verify: bool) -> tuple[list[int], dict[str, float]]:
         box = self.mailbox
+        if box is None:
+            raise WeightSyncError("an ipc receive before the stream was connected (setup's second round)")
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         box.reset_failure()
@@ -188,8 +223,10 @@ class StreamReceive(ReceiveSide):
         return True, (torch.zeros(n_tensors, dtype=torch.int64, device=self.device) if verify else None)
 
     def abort(self) -> None:
-        self.mailbox.fail()
+        if self.mailbox is not None:
+            self.mailbox.fail()
 
     def close(self) -> None:
-        self.mailbox.unlink()
+        if self.mailbox is not None:
+            self.mailbox.unlink()
         self.bufs = []

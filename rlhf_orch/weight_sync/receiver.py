@@ -1,13 +1,13 @@
 """Engine side of a sync: take every bucket over the worker's transport and load it into the model.
 
-A `WeightReceiver` lives in every engine worker (the HF engine's one process, or each vLLM/SGLang
-worker). It knows the bucket layouts from init, so the wire carries only raw buckets. Loading and
-checksumming are injected by the engine (`load_fn(list[(name, tensor)])`, `checksum_fn(names)`), so
-one receiver serves every engine kind. How the bytes arrive is its transport's business (transport.py): a
-colocated worker streams from its trainer rank's ring buffers (`connect_stream`, ipc_stream.py), a dedicated one
-takes rank 0's broadcasts (`join_group`, broadcast.py). Either way a sync is one call, `receive`, and where the
-trainer's checksums travel with the buckets (always over ipc; over broadcast when every receiver of the group checks)
-each tensor is compared with them here, so an engine never resumes generating with weights nobody checked.
+A `WeightReceiver` lives in every engine worker (the HF engine's one process, or each vLLM/SGLang worker). It knows
+the bucket layouts from init, so the wire carries only raw buckets. Loading and checksumming are injected by the
+engine (`load_fn(list[(name, tensor)])`, `checksum_fn(names)`), so one receiver serves every engine kind. How the
+bytes arrive is its transport's business (transport.py): a colocated worker streams from its trainer rank's ring
+buffers (ipc_stream.py), a dedicated one takes rank 0's broadcasts (broadcast.py). Either way setup is
+`open(transport, spec)` then `connect(offer)`, whatever the transport, and a sync is one call, `receive`, and where
+the trainer's checksums travel with the buckets (always over ipc; over broadcast when every receiver of the group
+checks) each tensor is compared with them here, so an engine never resumes generating with weights nobody checked.
 
 A sync that another member aborts (abort.py: the flag's owner writes the sync's number) ends at this side's next
 wait, with `SyncAborted`; a broadcast receiver then leaves its group without blocking (collective.py, `abandon`).
@@ -22,19 +22,17 @@ sync, and its checksums are of the engine's parameters even where the engine fus
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.weight_sync.abort import AbortFlag, checker_for
-from rlhf_orch.weight_sync.broadcast import BroadcastReceive
 from rlhf_orch.weight_sync.buckets import BucketLayout, checksums, unpack
 from rlhf_orch.weight_sync.collective import BroadcastGroup
-from rlhf_orch.weight_sync.ipc import IpcHandle
-from rlhf_orch.weight_sync.ipc_stream import StreamReceive
 from rlhf_orch.weight_sync.replay import LoadReplay
 from rlhf_orch.weight_sync.transport import ReceiveSide
+from rlhf_orch.weight_sync.transports import sides
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 ChecksumFn = Callable[[list[str]], list[int]]
@@ -67,7 +65,7 @@ class ReceivedSums:
 
 class WeightReceiver:
     """One engine worker's receiving end: the bucket layouts, the engine's load and checksum functions, and the
-    transport its sync plan gave it (`join_group`: broadcast.py; `connect_stream`: ipc_stream.py)."""
+    transport its sync plan gave it (`open` and `connect`: setup's handshake, transport.py)."""
 
     def __init__(self, layouts: Sequence[BucketLayout], device: torch.device, load_fn: LoadFn,
                  checksum_fn: ChecksumFn | None = None, replay: LoadReplay | None = None):
@@ -89,33 +87,27 @@ class WeightReceiver:
         """The broadcast group this worker is in, if its transport is broadcast (and no failed sync left it)."""
         return getattr(self.transport, "group", None)
 
-    def _use(self, transport: ReceiveSide) -> None:
-        if self.transport is not None:
-            self.transport.close()
-        self.transport = transport
-
-    def join_group(self, backend: str, host: str, port: int, rank: int, world_size: int,
-                   timeout_s: float, local_host: str | None = None, expect_sums: bool = False) -> float:
-        """Create this worker's end of the broadcast group and warm it up; returns seconds taken. `expect_sums`: rank 0
-        follows the buckets with its checksums, which this worker compares with what it loaded."""
+    def open(self, transport: str, spec: dict, timeout_s: float) -> float:
+        """Setup's first round (transport.py): open this worker's side of `transport` from its spec, leaving the side
+        of an earlier plan first; returns seconds taken (a broadcast group's rendezvous and warm-up)."""
         t0 = time.perf_counter()
-        group = BroadcastGroup(backend, host, port, rank, world_size, timeout_s, self.device, local_host)
-        group.warmup()
-        self._use(BroadcastReceive(group, self.layouts, self.device, expect_sums))
+        if self.transport is not None:
+            self.close()
+        self.transport = sides(transport)[1].open(spec, self, timeout_s)
         return time.perf_counter() - t0
 
-    def connect_stream(self, buffer_handles: Sequence[IpcHandle], timeout_s: float) -> bytes:
-        """Open the colocated trainer rank's ring buffers once and make the mailbox; returns its handle for the
-        sender (ipc_stream.py)."""
-        stream = StreamReceive(buffer_handles, self.firsts[-1], self.device, timeout_s)
-        self._use(stream)
-        return stream.handle()
+    def connect(self, offer: Any) -> Any:
+        """Setup's second round: the sender's offer -> this side's answer (ipc: the rank's ring buffers' handles -> our
+        mailbox's handle; broadcast: None -> None)."""
+        if self.transport is None:
+            raise RuntimeError("connect before open")
+        return self.transport.connect(offer)
 
     def receive(self, sync_id: int, verify: bool = True) -> tuple[list[int], dict[str, float]]:
         """Take every bucket of sync `sync_id` over this worker's transport (0: a sync no abort can end); returns the
         checksums of what the engine now holds, and seconds by phase. Raises on a checksum that differs."""
         if self.transport is None:
-            raise RuntimeError("receive before join_group or connect_stream")
+            raise RuntimeError("receive before the transport was opened (setup)")
         return self.transport.receive(self, sync_id, verify)
 
     def abort_stream(self) -> None:

@@ -17,8 +17,9 @@ the other hands a bucket over; bench/RESULTS.md, 2026-11-26.)
 What happens to a packed bucket is its transports' business (transport.py): `BroadcastSend` (broadcast.py, rank 0
 when any engine is dedicated) posts its broadcast, `StreamSend` (ipc_stream.py, a rank that shares its device with
 engines) publishes it in every colocated engine's mailbox. Each says when a buffer may be packed again (`drain`) and
-what the engines need at the sync's end (`finish`: with `bcast_sums`, rank 0's checksums as one more broadcast, so
-broadcast receivers verify themselves).
+what the engines need at the sync's end (`finish`: with the broadcast spec's `sums`, rank 0's checksums as one more
+broadcast, so broadcast receivers verify themselves). The sender opens its sides from their specs (transports.py) and
+takes part in setup's handshake through `offers` and `accept`; it never names a transport.
 
 On CUDA, when every colocated engine of the rank made events, a sync hands buckets over through shared CUDA events
 (ipc_stream.py, mailbox.py "GPU hand-over"): the pack's checksums stay in a device tensor and this host never waits for
@@ -37,7 +38,7 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -45,13 +46,11 @@ from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync.abort import AbortFlag, checker_for
 from rlhf_orch.weight_sync.buckets import BucketLayout, _word_sum, checksums, max_bucket_bytes, slot_view
-from rlhf_orch.weight_sync.broadcast import BroadcastSend
-from rlhf_orch.weight_sync.collective import BroadcastGroup
 from rlhf_orch.weight_sync.copysum import CopyPlan, PlanCache, Run, as_bytes
-from rlhf_orch.weight_sync.ipc import IpcHandle, allocate_shared, unlink_shared
-from rlhf_orch.weight_sync.ipc_stream import StreamSend
+from rlhf_orch.weight_sync.ipc import allocate_shared, unlink_shared
 from rlhf_orch.weight_sync.mailbox import SLOTS
 from rlhf_orch.weight_sync.transport import SendSide
+from rlhf_orch.weight_sync.transports import TRANSPORTS
 
 
 @dataclass
@@ -64,9 +63,12 @@ class SendResult:
 
 
 class WeightSender:
-    def __init__(self, layouts: Sequence[BucketLayout], device: torch.device, ipc_engines: Sequence[str] = (),
-                 group: BroadcastGroup | None = None, verify: bool = True, bcast_sums: bool = False,
-                 timeout_s: float = 300.0, abort_flag: AbortFlag | None = None):
+    """`specs`: {transport name: this rank's spec} (transports.py `setup_specs`); each side opens now (a broadcast
+    group blocks here until every member joined). None or {}: a rank that sends to no engine (it still takes part in
+    ZeRO-3's gathers)."""
+
+    def __init__(self, layouts: Sequence[BucketLayout], device: torch.device, specs: dict[str, dict] | None = None,
+                 verify: bool = True, timeout_s: float = 300.0, abort_flag: AbortFlag | None = None):
         self.layouts = list(layouts)
         self.abort_flag = abort_flag   # the trainer actor aborts a sync through it (abort.py)
         self.device = device
@@ -75,36 +77,44 @@ class WeightSender:
         self._plans = PlanCache()   # pack-and-checksum plans by (bucket, buffer), while the tensors stay put
         self._views: dict[tuple, list[torch.Tensor]] = {}   # (bucket, buffer) -> its slots' views
         self._dtypes: dict[int, list[torch.dtype]] = {}
-        self.active = bool(ipc_engines) or group is not None
+        specs = dict(specs or {})
+        self.active = bool(specs)
         # GPU hand-over with colocated engines (module doc); the benchmark flips it between rounds.
         self.gpu_handover = device.type == "cuda" and os.environ.get("RLHF_ORCH_SYNC_HANDOVER", "device") != "host"
         self._bufs: list[tuple[str, torch.Tensor]] = []
         self._stage: list[tuple[str, torch.Tensor]] = []   # `stage`'s copy of the weights (allocated once)
         self.staged_version: int | None = None
-        self.stream: StreamSend | None = None     # the ipc transport, to this rank's colocated engines
-        self.bcast: BroadcastSend | None = None   # the broadcast transport (rank 0, when any engine is dedicated)
         if self.active:
             n = max_bucket_bytes(self.layouts)
             self._bufs = [allocate_shared(n, device) for _ in range(SLOTS)]
             for _, b in self._bufs:
                 b.zero_()   # alignment padding is never written: keep it identical on both sides
-        if ipc_engines:
-            self.stream = StreamSend(ipc_engines, self._bufs, device)
-        if group is not None:
-            self.bcast = BroadcastSend(group, [b for _, b in self._bufs], device, bcast_sums and verify)
+        # Drained in the table's order (ipc before broadcast).
+        self.sides: dict[str, SendSide] = {name: TRANSPORTS[name][0].open(specs[name], self._bufs, device, verify,
+                                                                         self.timeout_s)
+                                           for name in TRANSPORTS if name in specs}
+        unknown = set(specs) - set(self.sides)
+        if unknown:
+            raise ValueError(f"unknown weight transports {sorted(unknown)}; known: {sorted(TRANSPORTS)}")
 
     @property
-    def group(self) -> BroadcastGroup | None:
-        """Rank 0's broadcast group (None on other ranks, and after a failed sync left it)."""
-        return None if self.bcast is None else self.bcast.group
+    def group(self):
+        """The collective group of a side that has one (rank 0's broadcast), None where none is left."""
+        return next((t.group for t in self.sides.values() if getattr(t, "group", None) is not None), None)
 
     def transports(self) -> list[SendSide]:
-        """This rank's transports, in the order they are drained (ipc before broadcast)."""
-        return [t for t in (self.stream, self.bcast) if t is not None]
+        """This rank's transports, in the order they are drained."""
+        return list(self.sides.values())
 
-    def buffer_handles(self) -> list[IpcHandle]:
-        """The ring buffers' handles, for colocated engines (opened once by `WeightReceiver.connect_stream`)."""
-        return list(self.stream.handles) if self.stream is not None else []
+    def offers(self) -> dict[str, Any]:
+        """Setup's second round: {transport: what its receivers connect with} (ipc: the ring buffers' handles)."""
+        return {name: side.offer() for name, side in self.sides.items()}
+
+    def accept(self, transport: str, engine: str, answer: Any) -> None:
+        """Setup's third round: `engine` connected over `transport` and answered (ipc: its mailbox)."""
+        if transport not in self.sides:
+            raise ValueError(f"{engine} answered over {transport}, which this trainer rank does not send on")
+        self.sides[transport].accept(engine, answer)
 
     def release(self) -> None:
         """The process is about to be killed (the run's end): its CPU ring buffers' names leave /dev/shm, the
@@ -112,17 +122,11 @@ class WeightSender:
         for _, buf in self._bufs:
             unlink_shared(buf)
 
-    def attach_mailbox(self, engine: str, handle: bytes) -> None:
-        """`engine` opened this rank's buffers (connect_stream) and made the mailbox `handle`."""
-        if self.stream is None:
-            raise ValueError(f"{engine} is not an ipc engine of this rank")
-        self.stream.attach(engine, handle)
-
     def close(self) -> None:
         """Leave the transports (a re-plan): rank 0's broadcast group is destroyed."""
         for t in self.transports():
             t.close()
-        self.bcast = None
+        self.sides = {}
 
     def _slot_views(self, layout: BucketLayout, slot: int) -> list[torch.Tensor]:
         """Typed views of every tensor's place in ring buffer `slot`, made once (an MoE bucket has ~170 tensors, and
@@ -157,9 +161,7 @@ class WeightSender:
         return sums or []
 
     def _sync_device(self, check=None):
-        if self.bcast is not None:
-            self.bcast.synchronize(check)
-        elif self.device.type == "cuda":
+        if not any(t.synchronize(check) for t in self.transports()) and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def stage(self, named: Iterator[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
@@ -214,7 +216,7 @@ class WeightSender:
             traceback.clear_frames(e.__traceback__)   # the failed frames' locals hold works too
             for t in self.transports():
                 t.abandon()   # rank 0 leaves its broadcast group: every receiver is freed now (module doc)
-            self.bcast = None
+            self.sides = {name: t for name, t in self.sides.items() if t.alive}
             raise
 
     def _send(self, named, sync_id: int) -> SendResult:
@@ -264,7 +266,7 @@ class WeightSender:
                 res.checksums.extend(sums)
             else:
                 torch._foreach_copy_(self._slot_views(layout, slot), srcs, non_blocking=True)
-                if self.stream is not None:
+                if any(t.peers_read_buffers for t in sides):
                     self._sync_device()   # another process reads this buffer: the copies must be done first
             del srcs
             res.pack_s += time.perf_counter() - t0

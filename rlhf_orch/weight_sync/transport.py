@@ -12,32 +12,99 @@ Every sync runs one protocol, whatever carries the bytes (sender.py and receiver
     finish(sync_id, n_buckets, checksums)                  close()
     on any failure: abandon()
 
+Setup is one handshake too, the same for every transport, in three rounds (the coordinator runs it):
+
+    1. open, on every side at once:   SendSide.open(spec, ...)       ReceiveSide.open(spec, rx, ...)
+       (a collective group's rendezvous needs every member joining together; ipc's sender allocates its buffers)
+    2. the receiver connects:         offer = side.offer()    ->     answer = side.connect(offer)
+       (ipc: the offer is the ring buffers' handles, the answer the engine's mailbox; broadcast: None and None)
+    3. the sender accepts:            side.accept(engine, answer)
+
+What each side opens with is its `spec`, a plain dict made from the plan by the transport itself (`SendSide.specs`),
+so it crosses Ray, vLLM's collective_rpc and SGLang's scheduler requests unchanged: the actors and engines carry
+(transport name, spec, offer, answer) without knowing what is inside.
+
 Implementations, one file each:
 - ipc_stream.py: colocated engines. The trainer's ring buffers are opened once (CUDA IPC, or shared memory on CPU)
   and buckets are handed over through a shared-memory mailbox, on the host or through CUDA events.
 - broadcast.py: dedicated engines. One collective group holds trainer rank 0 and every engine worker (NCCL, or gloo
   on CPU).
-weight_sync/plan.py names one transport per engine. A new transport (RDMA, NIXL) is one more file with a `SendSide`
-and a `ReceiveSide`, its rule in plan.py, and its setup call in the coordinator.
+weight_sync/plan.py names one transport per engine; transports.py lists them by name. A new transport (RDMA, NIXL)
+is one more file with a `SendSide` and a `ReceiveSide`, its line in transports.py and its rule in plan.py.
 This module defines the interface only.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
+
+import torch
 
 from rlhf_orch.weight_sync.buckets import BucketLayout
 
-if TYPE_CHECKING:   # an annotation only: receiver.py imports the transports, so a plain import would be a cycle
+if TYPE_CHECKING:   # annotations only: receiver.py imports the transports, so a plain import would be a cycle
+    from rlhf_orch.weight_sync.plan import EngineRoute
     from rlhf_orch.weight_sync.receiver import WeightReceiver
 
 Check = Callable[[], None]   # raises SyncAborted once another member aborted this sync (abort.py)
 
 
+@dataclass
+class PlanFacts:
+    """What a transport's `specs` may use besides its routes: the group backend ("nccl" on CUDA, "gloo" on CPU),
+    whether syncs are verified, which engines compare their loads with the trainer's checksums themselves over their
+    transport (`checks`), and, for a transport with a rendezvous, the sending rank's (host, port)."""
+
+    backend: str
+    verify: bool
+    checks: dict[str, bool] = field(default_factory=dict)
+    address: tuple[str, int] | None = None
+
+
+def for_worker(spec: dict, k: int) -> dict:
+    """Worker `k` of an engine's spec: a spec's `rank`, where it has one (a group member's), is the engine's first
+    worker's, and worker k takes rank + k."""
+    return {**spec, "rank": int(spec["rank"]) + int(k)} if "rank" in spec else dict(spec)
+
+
 class SendSide(ABC):
     """One transport's part of one trainer rank's sender. Shares the sender's ring of SLOTS buffers."""
 
-    name: str
+    name: ClassVar[str]
+    rendezvous: ClassVar[bool] = False   # its sides open together at an address of the sending rank's node
+    # Its peers read the sender's buffers themselves once a bucket is posted (ipc), so a bucket handed over on the host
+    # must be packed on the device first; a collective (broadcast) is ordered after the pack by its stream instead.
+    peers_read_buffers: ClassVar[bool] = False
+
+    @classmethod
+    @abstractmethod
+    def specs(cls, routes: Sequence["EngineRoute"], facts: PlanFacts) -> tuple[dict[int, dict], dict[str, dict]]:
+        """The plan's routes of this transport -> ({trainer rank: its send spec}, {engine: its receive spec}). A receive
+        spec with `hold: True` marks an engine whose loads the coordinator checks (it resumes the engine after)."""
+
+    @classmethod
+    @abstractmethod
+    def open(cls, spec: dict, bufs: list[tuple[str, torch.Tensor]], device: torch.device, verify: bool,
+             timeout_s: float) -> "SendSide":
+        """Round 1 of setup, while the receivers open theirs: this rank's side over the sender's ring buffers."""
+
+    def offer(self) -> Any:
+        """Round 2: what every receiver of this side connects with (must pickle)."""
+        return None
+
+    def accept(self, engine: str, answer: Any) -> None:
+        """Round 3: `engine` connected and answered."""
+
+    @property
+    def alive(self) -> bool:
+        """False once a failed sync made this side unusable (the coordinator opens a new one)."""
+        return True
+
+    def synchronize(self, check: Check | None = None) -> bool:
+        """Wait until this side's device work is done; False where it has none of its own (the sender then waits for
+        the device itself)."""
+        return False
 
     def device_handover(self) -> bool:
         """Whether every peer of this side can take buckets handed over on the device (CUDA events, no host wait per
@@ -74,7 +141,23 @@ class SendSide(ABC):
 class ReceiveSide(ABC):
     """One transport's part of one engine worker's receiver."""
 
-    name: str
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def open(cls, spec: dict, rx: "WeightReceiver", timeout_s: float) -> "ReceiveSide":
+        """Round 1 of setup, while the sender opens its side."""
+
+    def connect(self, offer: Any) -> Any:
+        """Round 2: the sender's offer -> this side's answer (must pickle)."""
+        return None
+
+    @classmethod
+    def watch(cls, answer: Any) -> Callable[[], None] | None:
+        """From another process of the engine (an actor whose receiver runs in SGLang's scheduler): a call that fails
+        the sync under way, as `abort` would, while the receiving process is busy; None where the sender waits on
+        nothing this side answered."""
+        return None
 
     @abstractmethod
     def receive(self, rx: "WeightReceiver", sync_id: int, verify: bool) -> tuple[list[int], dict[str, float]]:

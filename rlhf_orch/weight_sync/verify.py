@@ -13,14 +13,14 @@ from rlhf_orch.weight_sync.plan import SyncPlan
 
 
 def mismatches(plan: SyncPlan, layouts: Sequence[BucketLayout], sent: Sequence[list[int]],
-               ipc_acks: Sequence[dict[str, list[int]]], broadcast_sums: dict[str, list[int]]) -> list[str]:
-    """`sent[r]`: rank r's checksums; `ipc_acks[r][engine]`: what that engine acknowledged to rank r;
-    `broadcast_sums[engine]`: what a broadcast engine reported. Returns one line per bad engine."""
+               reported: dict[str, list[int]]) -> list[str]:
+    """`sent[r]`: rank r's checksums; `reported[engine]`: the checksums of what that engine holds, whatever its
+    transport. Returns one line per bad engine."""
     names = [s.name for b in layouts for s in b.slots]
     out = []
     for engine, route in plan.routes.items():
         want = sent[route.sender_rank]
-        got = broadcast_sums.get(engine) if route.transport == "broadcast" else ipc_acks[route.sender_rank].get(engine)
+        got = reported.get(engine)
         if got is None:
             out.append(f"{engine} ({route.transport}): reported no checksums")
         elif got != want:

@@ -82,7 +82,7 @@ def test_plan_and_sender_run_on_their_device_whatever_the_current_one():
     weights = [(f"w{i}", torch.randn(256, 64, device=dev, dtype=torch.bfloat16)) for i in range(4)]
     layouts = plan_buckets([ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in weights], 64 * 1024)
     def send():   # a sender's pack and checksum of every bucket, as its send runs them (no receiver in this process:
-        sender = WeightSender(layouts, dev, ["e"])   # CUDA IPC handles do not open in the process that made them)
+        sender = WeightSender(layouts, dev, {"ipc": {"engines": ["e"]}})   # CUDA IPC handles do not open in the process that made them)
         it = iter(weights)
         return [x for lay in layouts for x in sender._pack_and_sum(lay, lay.index % SLOTS, [next(it)[1] for _ in lay.slots])]
     with torch.cuda.device(1):

@@ -28,7 +28,7 @@ from rlhf_orch.weight_sync.buckets import checksums, plan_buckets  # noqa: E402
 from rlhf_orch.weight_sync.receiver import WeightReceiver  # noqa: E402
 from rlhf_orch.weight_sync.replay import LoadReplay  # noqa: E402
 from rlhf_orch.weight_sync.sender import WeightSender  # noqa: E402
-from weight_sync_helpers import CHILD_TIMEOUT_S, assert_bit_equal, spec, stop_children  # noqa: E402
+from weight_sync_helpers import CHILD_TIMEOUT_S, assert_bit_equal, ipc_spec, spec, stop_children  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -77,7 +77,8 @@ def _engine(layouts, conn, replay: bool, corrupt: str | None, die_at: int | None
         if die_at is not None:
             _die_with_a_load_queued(recv, die_at)
         handles, timeout_s = conn.recv()
-        conn.send(("ok", recv.connect_stream(handles, timeout_s)))
+        recv.open("ipc", {}, timeout_s)
+        conn.send(("ok", recv.connect(handles)))
         while True:
             msg = conn.recv()
             if msg == "stop":
@@ -98,12 +99,12 @@ def _start(replay=True, corrupt=None, die_at=None):
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_engine, args=(layouts, child, replay, corrupt, die_at), daemon=True)
     proc.start()
-    sender = WeightSender(layouts, torch.device("cuda", 0), ipc_engines=["E"], timeout_s=CHILD_TIMEOUT_S)
-    parent.send((sender.buffer_handles(), CHILD_TIMEOUT_S))
+    sender = WeightSender(layouts, torch.device("cuda", 0), ipc_spec("E"), timeout_s=CHILD_TIMEOUT_S)
+    parent.send((sender.offers()["ipc"], CHILD_TIMEOUT_S))
     assert parent.poll(CHILD_TIMEOUT_S), "the engine process did not start"
     status, box = parent.recv()
     assert status == "ok", box
-    sender.attach_mailbox("E", box)
+    sender.accept("ipc", "E", box)
     return layouts, sender, parent, proc
 
 

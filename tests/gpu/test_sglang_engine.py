@@ -55,7 +55,6 @@ def test_sync_into_sglang(engine, dirs, placement):
     """nccl: SGLang's own group and one update_weights_from_distributed call per bucket (the tensor-parallel path);
     nccl_stream: our receiver in the scheduler joins the group and takes each sync in one call, checking the
     trainer's checksums that follow the buckets. Both on the engine's one `receive` call per sync."""
-    from rlhf_orch.weight_sync.collective import BroadcastGroup
     from rlhf_orch.types import ParamSpec, dtype_name
     from rlhf_orch.weight_sync import WeightSender, plan_buckets
     from rlhf_orch.weight_sync.collective import free_port
@@ -70,20 +69,21 @@ def test_sync_into_sglang(engine, dirs, placement):
     engine.pause()
     port, box, stream = free_port("127.0.0.1"), {}, placement == "nccl_stream"
 
+    group = {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 2, "sums": stream}
+
     def trainer_side():
-        try:
-            g = BroadcastGroup("nccl", "127.0.0.1", port, 0, 2, 120, dev)
-            g.warmup()                     # meets the engine's warm-up call inside setup_receiver
-            box["sender"] = WeightSender(layouts, dev, [], g, bcast_sums=stream)
+        try:   # its warm-up meets the engine's inside setup_receiver
+            box["sender"] = WeightSender(layouts, dev, {"broadcast": group})
         except Exception as e:             # surfaced by the assert below, not lost in the thread
             box["error"] = e
     t = threading.Thread(target=trainer_side)
     t.start()
-    secs = engine.setup_receiver(layouts, {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 2,
-                                           "sums": stream}, 1, True, 120)
+    secs = engine.setup_receiver(layouts, "broadcast", {**group, "rank": 1}, True, 120)
     t.join(120)
     assert "sender" in box, box.get("error")
-    assert secs > 0 and engine._bstream == stream
+    # with the sums: our receiver in the scheduler; without: SGLang's own group, bucket by bucket
+    assert secs > 0 and (engine._transport == "broadcast") == stream and engine._group != stream
+    assert engine.connect(box["sender"].offers()["broadcast"]) is None   # broadcast answers nothing
     for sync_id in (1, 2):   # the second over the same (warm) group: the path every later training step takes
         res = {}
         t = threading.Thread(target=lambda: res.update(r=box["sender"].send(iter(weights), version, sync_id=sync_id)))
@@ -108,9 +108,9 @@ def test_colocated_stream_into_sglang_in_one_call_per_sync(engine, dirs):
     models = [[(n, t.to(dev)) for n, t in named_weights(d, torch.bfloat16)] for d in dirs]
     layouts = plan_buckets([ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in models[0]], 64 * 1024)
     assert engine.capabilities.checks_loads == {"ipc", "broadcast"}   # a single-GPU engine takes both in one call (72a4c1d)
-    engine.setup_receiver(layouts, None, 0, True, 120)
-    sender = WeightSender(layouts, dev, ["s"], timeout_s=120)
-    sender.attach_mailbox("s", engine.connect_stream(sender.buffer_handles(), 120))
+    engine.setup_receiver(layouts, "ipc", {}, True, 120)
+    sender = WeightSender(layouts, dev, {"ipc": {"engines": ["s"]}}, timeout_s=120)
+    sender.accept("ipc", "s", engine.connect(sender.offers()["ipc"]))
     for sync_id in (1, 2, 3, 4):
         k = sync_id % 2
         engine.pause()

@@ -108,9 +108,9 @@ def test_version_boundary_is_exact_through_an_ipc_sync(engine, dirs):
         target = new_dir if rep % 2 == 0 else old_dir   # alternate, so every round changes the weights
         ws = weights if rep % 2 == 0 else [(n, t.to(dev)) for n, t in named_weights(old_dir, torch.bfloat16)]
         t2 = time.perf_counter()
-        engine.setup_receiver(layouts, None, 0, True, 120)
-        sender = WeightSender(layouts, dev, ["s"], timeout_s=120)
-        sender.attach_mailbox("s", engine.connect_stream(sender.buffer_handles(), 120))
+        engine.setup_receiver(layouts, "ipc", {}, True, 120)
+        sender = WeightSender(layouts, dev, {"ipc": {"engines": ["s"]}}, timeout_s=120)
+        sender.accept("ipc", "s", engine.connect(sender.offers()["ipc"]))
         res = {}
         sending = threading.Thread(target=lambda: res.update(r=sender.send(iter(ws), v, sync_id=v)))
         sending.start()

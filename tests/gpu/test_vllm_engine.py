@@ -24,7 +24,7 @@ from rlhf_orch.engines.vllm import VLLMEngine  # noqa: E402
 from rlhf_orch.models import build_tokenizer  # noqa: E402
 from rlhf_orch.types import ParamSpec, dtype_name  # noqa: E402
 from rlhf_orch.weight_sync import WeightSender, plan_buckets  # noqa: E402
-from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port  # noqa: E402
+from rlhf_orch.weight_sync.collective import free_port  # noqa: E402
 
 SPEC = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 
@@ -74,15 +74,15 @@ def test_sync_into_vllm(engine, dirs, placement):
     if placement == "nccl":
         port, box = free_port("127.0.0.1"), {}
 
-        def trainer_side():
-            g = BroadcastGroup("nccl", "127.0.0.1", port, 0, 2, 120, dev)
-            g.warmup()
-            box["sender"] = WeightSender(layouts, dev, [], g, bcast_sums=True)   # the engine checks the sums itself
+        group = {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 2, "sums": True}
+
+        def trainer_side():   # the engine checks the sums itself
+            box["sender"] = WeightSender(layouts, dev, {"broadcast": group})
         t = threading.Thread(target=trainer_side)
         t.start()
-        engine.setup_receiver(layouts, {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 2,
-                                        "sums": True}, 1, True, 120)
+        engine.setup_receiver(layouts, "broadcast", {**group, "rank": 1}, True, 120)
         t.join(120)
+        assert engine.connect(box["sender"].offers()["broadcast"]) is None   # broadcast answers nothing
         res = {}
         t = threading.Thread(target=lambda: res.update(r=box["sender"].send(iter(weights), 2)))
         t.start()
@@ -91,9 +91,9 @@ def test_sync_into_vllm(engine, dirs, placement):
         sent = res["r"]
         assert got == sent.checksums
     else:   # one call per sync: the worker takes every bucket through the mailbox and checks each tensor
-        engine.setup_receiver(layouts, None, 0, True, 120)
-        sender = WeightSender(layouts, dev, ["v"], timeout_s=120)
-        sender.attach_mailbox("v", engine.connect_stream(sender.buffer_handles(), 120))
+        engine.setup_receiver(layouts, "ipc", {}, True, 120)
+        sender = WeightSender(layouts, dev, {"ipc": {"engines": ["v"]}}, timeout_s=120)
+        sender.accept("ipc", "v", engine.connect(sender.offers()["ipc"]))
         res = {}
         t = threading.Thread(target=lambda: res.update(r=sender.send(iter(weights), 4, sync_id=1)))
         t.start()
@@ -139,9 +139,9 @@ def test_replayed_syncs_into_vllm_follow_the_weights_and_survive_sleep(engine, d
     layouts = plan_buckets([ParamSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in ws[0]], 64 * 1024)
     trainer = _flat(ws[0], dev)       # the trainer's own tensors: they stay put, their values change
     engine.pause()
-    engine.setup_receiver(layouts, None, 0, True, 120)
-    sender = WeightSender(layouts, dev, ["v"], timeout_s=120)
-    sender.attach_mailbox("v", engine.connect_stream(sender.buffer_handles(), 120))
+    engine.setup_receiver(layouts, "ipc", {}, True, 120)
+    sender = WeightSender(layouts, dev, {"ipc": {"engines": ["v"]}}, timeout_s=120)
+    sender.accept("ipc", "v", engine.connect(sender.offers()["ipc"]))
 
     def sync(k, version, sync_id):
         torch._foreach_copy_([t for _, t in trainer], [t for _, t in ws[k % 2]])

@@ -21,7 +21,7 @@ if torch.cuda.device_count() < 3:
 from rlhf_orch.engines.vllm import VLLMEngine  # noqa: E402
 from rlhf_orch.types import ParamSpec, dtype_name  # noqa: E402
 from rlhf_orch.weight_sync import WeightSender, plan_buckets  # noqa: E402
-from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port  # noqa: E402
+from rlhf_orch.weight_sync.collective import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +40,16 @@ def test_tp2_engine_replays_its_slices_and_serves_each_synced_model(dirs):
         assert len(layouts) >= 3
         port, box = free_port("127.0.0.1"), {}
 
-        def trainer_side():
-            g = BroadcastGroup("nccl", "127.0.0.1", port, 0, 3, 120, dev)
-            g.warmup()
-            box["sender"] = WeightSender(layouts, dev, [], g, bcast_sums=True)   # each worker checks the sums
+        group = {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 3, "sums": True}
+
+        def trainer_side():   # each worker checks the sums
+            box["sender"] = WeightSender(layouts, dev, {"broadcast": group})
         t = threading.Thread(target=trainer_side)
         t.start()
         engine.pause()
-        engine.setup_receiver(layouts, {"backend": "nccl", "host": "127.0.0.1", "port": port, "world_size": 3,
-                                        "sums": True}, 1, True, 120)
+        engine.setup_receiver(layouts, "broadcast", {**group, "rank": 1}, True, 120)   # TP workers: ranks 1 and 2
         t.join(120)
+        assert engine.connect(box["sender"].offers()["broadcast"]) is None   # broadcast answers nothing
         for k in range(4):   # the weights alternate, so a replay that copied nothing would show
             engine.pause()
             res = {}

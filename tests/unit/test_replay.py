@@ -162,7 +162,7 @@ def test_copy_plan_sums_runs_into_slots_and_can_checksum_without_copying():
 def test_sender_checksums_equal_the_tensors_checksums_also_when_converting_dtypes():
     specs = [ParamSpec("a", "float32", (5, 3)), ParamSpec("b", "bfloat16", (7,)), ParamSpec("c", "float32", (4,))]
     layouts = plan_buckets(specs, 128)
-    sender = WeightSender(layouts, torch.device("cpu"), ipc_engines=["e"])
+    sender = WeightSender(layouts, torch.device("cpu"), {"ipc": {"engines": ["e"]}})
     g = torch.Generator().manual_seed(1)
     tensors = {"a": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g),   # b: float32 -> bfloat16
                "c": torch.randn(8, generator=g)[::2]}                                    # c: strided

@@ -21,7 +21,7 @@ from rlhf_orch.engines.sglang_stream import HOOK, SchedulerStream
 from rlhf_orch.errors import EngineError, WeightSyncError
 from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.buckets import checksums, plan_buckets
-from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
+from rlhf_orch.weight_sync.collective import free_port
 from rlhf_orch.weight_sync.sender import WeightSender
 from weight_sync_helpers import CPU, assert_bit_equal, spec
 
@@ -87,8 +87,9 @@ def _setup(tmp_path, corrupt=None, abort_flag=None):
     if abort_flag is not None:   # as RolloutActor.setup_receiver: the engine keeps it, then the actor unlinks its file
         eng.keep_abort_flag(abort_flag.handle())
         abort_flag.unlink()
-    sender = WeightSender(layouts, CPU, ipc_engines=["s"], timeout_s=10)
-    sender.attach_mailbox("s", eng.connect_stream(sender.buffer_handles(), 10))
+    sender = WeightSender(layouts, CPU, {"ipc": {"engines": ["s"]}}, timeout_s=10)
+    eng.open_stream("ipc", {}, 10)   # setup's handshake: open, connect with the rank's offer, accept the answer
+    sender.accept("ipc", "s", eng.connect_stream(sender.offers()["ipc"]))
     return model, eng, sender
 
 
@@ -190,15 +191,17 @@ def test_stream_before_connect_and_unknown_requests_are_refused(tmp_path):
     model = ToyModel()
     install(model, {"dir": str(tmp_path), "verify": True}, 0, "cpu")
     eng = Engine(model, tmp_path, plan_buckets(MODEL, BUCKET))
-    with pytest.raises(EngineError, match="connect_stream first"):
+    with pytest.raises(EngineError, match="setup_receiver first"):
         eng.receive_stream(1)
+    with pytest.raises(EngineError, match="connect before setup_receiver"):
+        eng.connect_stream([])
     hook = getattr(importlib.import_module(HOOK.rsplit(".", 1)[0]), HOOK.rsplit(".", 1)[1])
     with pytest.raises(RuntimeError, match="only serves rlhf_orch's own requests"):
         hook(model, [("model.embed_tokens.weight", torch.zeros(1))])
     eng.tensor_parallel_size = 2
     assert eng.capabilities.checks_loads == frozenset()
     with pytest.raises(EngineError, match="single-GPU engine"):
-        eng.connect_stream([], 10)
+        eng.open_stream("ipc", {}, 10)
 
 
 def test_an_aborted_sync_ends_the_schedulers_receive_at_once(tmp_path):
@@ -223,22 +226,22 @@ def _setup_broadcast(tmp_path, corrupt=None, abort_flag=None):
         abort_flag.unlink()
     port, box = free_port("127.0.0.1"), {}
 
+    group = {"backend": "gloo", "host": "127.0.0.1", "port": port, "world_size": 2, "sums": True}
+
     def trainer():   # rank 0: as the trainer actor's setup_sender
-        g = BroadcastGroup("gloo", "127.0.0.1", port, 0, 2, 10, CPU)
-        g.warmup()
-        box["sender"] = WeightSender(layouts, CPU, [], g, verify=True, bcast_sums=True, timeout_s=10)
+        box["sender"] = WeightSender(layouts, CPU, {"broadcast": group}, verify=True, timeout_s=10)
 
     t = threading.Thread(target=trainer)
     t.start()
-    secs = eng.join_stream_group({"backend": "gloo", "host": "127.0.0.1", "port": port, "world_size": 2, "sums": True},
-                                 1, 10)
+    secs = eng.open_stream("broadcast", {**group, "rank": 1}, 10)
     t.join(20)
     assert secs > 0 and "sender" in box
+    assert eng.connect_stream(box["sender"].offers()["broadcast"]) is None and eng._abort_side is None   # no answer
     return model, eng, box["sender"]
 
 
 def _bsync(eng, sender, values, sync_id):
-    return _sync(eng, sender, values, sync_id, eng.receive_broadcast_stream)
+    return _sync(eng, sender, values, sync_id, eng.receive_stream)
 
 
 def test_broadcast_syncs_in_one_call_each_verified_in_the_scheduler_then_replayed(tmp_path):
@@ -249,8 +252,7 @@ def test_broadcast_syncs_in_one_call_each_verified_in_the_scheduler_then_replaye
         assert set(timings) == {"load_s", "total_s"}
         _assert_holds(model, eng, values, sums, out, sync_id)
     _assert_replayed(model, eng)
-    with pytest.raises(EngineError, match="no ipc stream in this scheduler"):
-        eng.receive_stream(4)   # this scheduler's receiver is a broadcast one
+    assert model._rlhf_state["stream"].transport.name == "broadcast"
 
 
 def test_a_mangled_broadcast_load_fails_the_sync_in_the_scheduler(tmp_path):
@@ -270,5 +272,5 @@ def test_an_aborted_broadcast_sync_ends_the_schedulers_receive_at_once(tmp_path)
     model, eng, sender = _setup_broadcast(tmp_path, abort_flag=flag)
     # A re-plan re-installs the load wrapper first (setup_receiver): the receiver and its abort flag must survive it.
     install(model, {"dir": str(tmp_path), "verify": True}, 0, "cpu")
-    assert model._rlhf_state["abort"] is not None and model._rlhf_state["transport"] == "broadcast"
-    _assert_abort_ends_the_receive(lambda: eng.receive_broadcast_stream(9), flag, 9)
+    assert model._rlhf_state["abort"] is not None and model._rlhf_state["stream"].transport.name == "broadcast"
+    _assert_abort_ends_the_receive(lambda: eng.receive_stream(9), flag, 9)

@@ -21,7 +21,8 @@ from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
 from rlhf_orch.weight_sync.mailbox import Mailbox, seq_of
 from rlhf_orch.weight_sync.receiver import WeightReceiver
 from rlhf_orch.weight_sync.sender import WeightSender
-from weight_sync_helpers import CHILD_TIMEOUT_S, CPU, GROUP_TIMEOUT_S, HOST, spec, stop_children
+from weight_sync_helpers import (CHILD_TIMEOUT_S, CPU, GROUP_TIMEOUT_S, HOST, connect_ipc, group_spec, ipc_spec, spec,
+                                 stop_children)
 
 MODEL = [spec(f"layers.{i}.weight", "float32", 16, 8) for i in range(5)]   # 512 B each
 BUCKET = 1024   # 3 buckets
@@ -45,7 +46,7 @@ def _receiver_child(layouts, port, flag_path, sync_id, expect_sums, q):
         recv = WeightReceiver(layouts, CPU, load, None)
         if flag_path:
             recv.abort_flag = AbortFlag.attach(flag_path)
-        recv.join_group("gloo", HOST, port, 1, 2, GROUP_TIMEOUT_S, expect_sums=expect_sums)
+        recv.open("broadcast", group_spec(port, 2, sums=expect_sums, rank=1), GROUP_TIMEOUT_S)
         q.put(("joined", 0.0, ""))
         t0 = time.monotonic()
         try:
@@ -144,14 +145,13 @@ def test_a_failing_sender_frees_broadcast_receivers_without_any_abort():
     port = free_port(HOST)
     p, q = _start_child(layouts, port, None, 9, True)
     try:
-        group = BroadcastGroup("gloo", HOST, port, 0, 2, GROUP_TIMEOUT_S)
-        group.warmup()
-        assert q.get(timeout=CHILD_TIMEOUT_S)[0] == "joined"
         flag = AbortFlag.create()
         flag.unlink()   # this process's mapping is all the sender needs
-        sender = WeightSender(layouts, CPU, ipc_engines=["colocated"], group=group, bcast_sums=True, abort_flag=flag)
+        sender = WeightSender(layouts, CPU, {**ipc_spec("colocated"), "broadcast": group_spec(port, 2, sums=True)},
+                              abort_flag=flag)
+        assert q.get(timeout=CHILD_TIMEOUT_S)[0] == "joined"
         colocated = WeightReceiver(layouts, CPU, lambda named: None)   # connected, then gives up without a receive
-        sender.attach_mailbox("colocated", colocated.connect_stream(sender.buffer_handles(), GROUP_TIMEOUT_S))
+        connect_ipc(sender, "colocated", colocated, GROUP_TIMEOUT_S)
         # The broadcast receiver is waiting for the checksums by the time the colocated engine gives up.
         threading.Timer(0.3, colocated.abort_stream).start()
 
@@ -174,10 +174,10 @@ def test_a_sender_aborted_while_waiting_for_an_engine_raises_sync_aborted():
     layouts = plan_buckets(MODEL, BUCKET)
     flag = AbortFlag.create()
     flag.unlink()
-    sender = WeightSender(layouts, CPU, ipc_engines=["e"], timeout_s=GROUP_TIMEOUT_S, abort_flag=flag)
+    sender = WeightSender(layouts, CPU, ipc_spec("e"), timeout_s=GROUP_TIMEOUT_S, abort_flag=flag)
     box = Mailbox.create(len(MODEL))
     try:
-        sender.attach_mailbox("e", box.handle())
+        sender.accept("ipc", "e", box.handle())
 
         def abort_soon():
             time.sleep(0.3)

@@ -13,11 +13,12 @@ import torch
 from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync.buckets import checksums, plan_buckets
-from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
+from rlhf_orch.weight_sync.collective import free_port
 from rlhf_orch.weight_sync.mailbox import ORPHAN_AGE_S, PREFIX, Mailbox, remove_orphans, seq_of
 from rlhf_orch.weight_sync.receiver import WeightReceiver
 from rlhf_orch.weight_sync.sender import WeightSender
-from weight_sync_helpers import CPU, HOST, CHILD_TIMEOUT_S, GROUP_TIMEOUT_S, assert_bit_equal, spec, stop_children
+from weight_sync_helpers import (CPU, HOST, CHILD_TIMEOUT_S, GROUP_TIMEOUT_S, assert_bit_equal, group_spec, ipc_spec, spec,
+                                 stop_children)
 
 MODEL = [spec("embed.weight", "float32", 32, 8), spec("layers.0.w", "float32", 24, 8), spec("layers.0.b", "float32", 3),
          spec("layers.1.w", "float32", 16, 8), spec("lm_head.weight", "float32", 64, 8), spec("scale", "float32")]
@@ -45,7 +46,8 @@ def _stream_engine(layouts, conn, n_syncs, corrupt):
     try:
         params, recv = _receiver(layouts, corrupt)
         handles, timeout_s = conn.recv()
-        conn.send(("ok", recv.connect_stream(handles, timeout_s)))
+        recv.open("ipc", {}, timeout_s)
+        conn.send(("ok", recv.connect(handles)))
         for sync_id in range(1, n_syncs + 1):
             try:
                 sums, timings = recv.receive(sync_id)
@@ -62,7 +64,7 @@ def _broadcast_engine(layouts, port, n_syncs, q, corrupt):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     try:
         params, recv = _receiver(layouts, corrupt)
-        recv.join_group("gloo", HOST, port, 1, 2, GROUP_TIMEOUT_S, expect_sums=True)
+        recv.open("broadcast", group_spec(port, 2, sums=True, rank=1), GROUP_TIMEOUT_S)
         for _ in range(n_syncs):
             try:
                 sums, _ = recv.receive(0)
@@ -88,14 +90,13 @@ def _start(layouts, n_syncs, corrupt_a=None, corrupt_b=None):
     pa = ctx.Process(target=_stream_engine, args=(layouts, child, n_syncs, corrupt_a), daemon=True)
     pb = ctx.Process(target=_broadcast_engine, args=(layouts, port, n_syncs, q, corrupt_b), daemon=True)
     pa.start(), pb.start()
-    group = BroadcastGroup("gloo", HOST, port, 0, 2, GROUP_TIMEOUT_S)
-    group.warmup()
-    sender = WeightSender(layouts, CPU, ipc_engines=["A"], group=group, bcast_sums=True, timeout_s=CHILD_TIMEOUT_S)
-    parent.send((sender.buffer_handles(), CHILD_TIMEOUT_S))
+    sender = WeightSender(layouts, CPU, {**ipc_spec("A"), "broadcast": group_spec(port, 2, sums=True)},
+                          timeout_s=CHILD_TIMEOUT_S)
+    parent.send((sender.offers()["ipc"], CHILD_TIMEOUT_S))
     status, box = _answer(parent)
     assert status == "ok", box
-    sender.attach_mailbox("A", box)
-    return sender, group, parent, q, [pa, pb]
+    sender.accept("ipc", "A", box)
+    return sender, sender.group, parent, q, [pa, pb]
 
 
 def test_stream_and_self_verifying_broadcast_two_syncs_without_a_call_per_bucket():
@@ -157,7 +158,8 @@ def test_a_corrupt_broadcast_load_is_refused_by_the_engine():
 def _connect_then_hang(layouts, conn):
     _, recv = _receiver(layouts)
     handles, timeout_s = conn.recv()
-    conn.send(("ok", recv.connect_stream(handles, timeout_s)))
+    recv.open("ipc", {}, timeout_s)
+    conn.send(("ok", recv.connect(handles)))
     time.sleep(600)    # never takes the sync; the test kills this process
 
 
@@ -168,10 +170,10 @@ def test_sender_stops_when_the_engine_process_dies():
     p = ctx.Process(target=_connect_then_hang, args=(layouts, child), daemon=True)
     p.start()
     try:
-        sender = WeightSender(layouts, CPU, ipc_engines=["A"], timeout_s=CHILD_TIMEOUT_S)
-        parent.send((sender.buffer_handles(), CHILD_TIMEOUT_S))
+        sender = WeightSender(layouts, CPU, ipc_spec("A"), timeout_s=CHILD_TIMEOUT_S)
+        parent.send((sender.offers()["ipc"], CHILD_TIMEOUT_S))
         status, box = _answer(parent)
-        sender.attach_mailbox("A", box)
+        sender.accept("ipc", "A", box)
         threading.Timer(0.5, p.kill).start()    # a real process killed mid-sync
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match="is gone"):
@@ -230,7 +232,7 @@ def test_mailbox_carries_the_gpu_handover_words_and_both_sides_event_handles():
 def test_a_cpu_sender_hands_over_on_the_host():
     """Without CUDA there are no events: the sender keeps the per-bucket host hand-over, so CPU runs are unchanged."""
     layouts = plan_buckets(MODEL, BUCKET)
-    sender = WeightSender(layouts, CPU, ipc_engines=["A"])
+    sender = WeightSender(layouts, CPU, ipc_spec("A"))
     assert sender.gpu_handover is False
 
 

@@ -37,7 +37,7 @@ def test_skipped_tensor_is_reported_and_good_engine_passes():
         params = {n: torch.zeros_like(t) for n, t in trainer.items()}
         load, sums = _engine(params, skip)
         engines[name] = WeightReceiver(layouts, torch.device("cpu"), load, sums)
-    sender = WeightSender(layouts, torch.device("cpu"), ["good", "bad"], timeout_s=30)
+    sender = WeightSender(layouts, torch.device("cpu"), {"ipc": {"engines": ["good", "bad"]}}, timeout_s=30)
     sync = in_process_streams(sender, engines, timeout_s=30)
     with pytest.raises(WeightSyncError, match="gave up"):
         sync(iter(trainer.items()))
@@ -45,7 +45,7 @@ def test_skipped_tensor_is_reported_and_good_engine_passes():
     good = [engines["good"].last_sums[n] for n in trainer]
     bad = [engines["bad"].last_sums[n] for n in trainer]   # what the bad engine holds, as it would report it
     assert good == want
-    lines = mismatches(plan, layouts, [want, []], [{"good": good, "bad": bad}, {}], {})
+    lines = mismatches(plan, layouts, [want, []], {"good": good, "bad": bad})
     assert len(lines) == 1
     assert lines[0].startswith("bad (ipc): 6 checksums vs 6 expected; first differing tensors: ['layer4.weight']")
 
@@ -54,5 +54,5 @@ def test_missing_report_is_a_mismatch():
     specs = [ParamSpec("w", "float32", (4,))]
     layouts = plan_buckets(specs, 1024)
     plan = make_plan(["slot0"], {"far": ["slot9"]})
-    assert mismatches(plan, layouts, [[1]], [{}], {}) == ["far (broadcast): reported no checksums"]
-    assert mismatches(plan, layouts, [[1]], [{}], {"far": [1]}) == []
+    assert mismatches(plan, layouts, [[1]], {}) == ["far (broadcast): reported no checksums"]
+    assert mismatches(plan, layouts, [[1]], {"far": [1]}) == []

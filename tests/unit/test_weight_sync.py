@@ -11,13 +11,13 @@ import torch
 from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.types import dtype_from_name
 from rlhf_orch.weight_sync.buckets import checksums, plan_buckets
-from rlhf_orch.weight_sync.collective import BroadcastGroup, free_port
+from rlhf_orch.weight_sync.collective import free_port
 from rlhf_orch.weight_sync.ipc import IpcHandle, allocate_shared, export_handle, open_handle
 from rlhf_orch.weight_sync.mailbox import SLOTS
 from rlhf_orch.weight_sync.receiver import WeightReceiver
 from rlhf_orch.weight_sync.sender import SendResult, WeightSender
-from weight_sync_helpers import (CPU, HOST, CHILD_TIMEOUT_S, GROUP_TIMEOUT_S, assert_bit_equal, in_process_streams, spec,
-                                 stop_children)
+from weight_sync_helpers import (CPU, HOST, CHILD_TIMEOUT_S, GROUP_TIMEOUT_S, assert_bit_equal, connect_ipc, group_spec,
+                                 in_process_streams, ipc_spec, spec, stop_children)
 
 
 # ============================================================================ ipc across processes
@@ -114,7 +114,7 @@ def _broadcast_engine(layouts, port, n_syncs, q):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     try:
         params, recv = _make_receiver(layouts)
-        recv.join_group("gloo", HOST, port, 1, 2, GROUP_TIMEOUT_S)
+        recv.open("broadcast", group_spec(port, 2, rank=1), GROUP_TIMEOUT_S)
         for _ in range(n_syncs):
             sums, timings = recv.receive(0)
             q.put(("ok", sums, _dump(params), sorted(timings)))
@@ -128,7 +128,8 @@ def _ipc_engine(layouts, conn):
     try:
         params, recv = _make_receiver(layouts)
         handles, timeout_s = conn.recv()
-        conn.send(("ok", recv.connect_stream(handles, timeout_s)))
+        recv.open("ipc", {}, timeout_s)
+        conn.send(("ok", recv.connect(handles)))
         while conn.poll(CHILD_TIMEOUT_S):
             msg = conn.recv()
             if msg[0] != "sync":
@@ -171,13 +172,15 @@ def test_sender_to_an_ipc_stream_and_a_broadcast_receiver_two_syncs():
     pa.start()
     group = None
     try:
-        group = BroadcastGroup("gloo", HOST, port, 0, 2, GROUP_TIMEOUT_S)
-        assert group.warmup() == 1.0
-        sender = WeightSender(layouts, CPU, ipc_engines=["A"], group=group, timeout_s=CHILD_TIMEOUT_S)
-        handles = sender.buffer_handles()
+        # Opening the broadcast side joins the group and warms it up (a wrong warm-up value raises).
+        sender = WeightSender(layouts, CPU, {**ipc_spec("A"), "broadcast": group_spec(port, 2)},
+                              timeout_s=CHILD_TIMEOUT_S)
+        group = sender.group
+        assert group is not None
+        handles = sender.offers()["ipc"]
         assert len({h.buffer_id for h in handles}) == SLOTS       # bucket k goes through ring buffer k % SLOTS
         parent_conn.send((handles, CHILD_TIMEOUT_S))
-        sender.attach_mailbox("A", _recv_pipe(parent_conn))
+        sender.accept("ipc", "A", _recv_pipe(parent_conn))
 
         def get_b():
             status, sums, params, timings = q.get(timeout=CHILD_TIMEOUT_S)
@@ -227,7 +230,7 @@ def _ipc_sender_and_receiver(bucket_bytes=512):
             params[n].copy_(t)
 
     recv = WeightReceiver(layouts, CPU, load_fn, lambda names: checksums(params[n] for n in names))
-    sender = WeightSender(layouts, CPU, ipc_engines=["A"], timeout_s=CHILD_TIMEOUT_S)
+    sender = WeightSender(layouts, CPU, ipc_spec("A"), timeout_s=CHILD_TIMEOUT_S)
     stream = in_process_streams(sender, {"A": recv})
 
     def sync(named):
@@ -253,13 +256,15 @@ def test_sender_in_process_ipc_acks_in_layout_order(bucket_bytes, n_buckets):
 
 def test_an_ipc_engine_without_a_stream_is_refused_before_anything_is_sent():
     layouts = plan_buckets(SMALL, 512)
-    sender = WeightSender(layouts, CPU, ipc_engines=["A", "B"])
+    sender = WeightSender(layouts, CPU, ipc_spec("A", "B"))
     recv = WeightReceiver(layouts, CPU, lambda items: None)
-    sender.attach_mailbox("A", recv.connect_stream(sender.buffer_handles(), 5.0))
+    connect_ipc(sender, "A", recv, 5.0)
     with pytest.raises(WeightSyncError, match=r"\['B'\] have no stream"):
         sender.send(iter((s.name, torch.ones(s.shape)) for s in SMALL), 1, sync_id=1)
     with pytest.raises(ValueError, match="not an ipc engine"):
-        WeightSender(layouts, CPU).attach_mailbox("A", b"x")
+        sender.accept("ipc", "C", b"x")
+    with pytest.raises(ValueError, match="does not send on"):
+        WeightSender(layouts, CPU).accept("ipc", "A", b"x")
     recv.close()
 
 
