@@ -19,7 +19,6 @@ import time
 import ray
 
 from actors.common import Located, kill_descendants, setup_process
-from transformers import AutoTokenizer
 
 from rlhf_orch.config.schema import EngineConfig, RolloutSection
 from rlhf_orch.engines import SamplingParams, engine_class, engine_options
@@ -29,7 +28,6 @@ from rlhf_orch.gpu_memory import devices_used_gb
 from rlhf_orch.rollout.agent import AgentRunner
 from rlhf_orch.rollout.agent_specs import agent_table, resolve_agent
 from rlhf_orch.rollout.multiturn import TOOLS, MultiTurn
-from rlhf_orch.rollout.openai_server import OpenAIEndpoint
 from rlhf_orch.weight_sync import WeightReceiver
 from rlhf_orch.weight_sync.abort import AbortFlag
 from rlhf_orch.weight_sync.replay import LoadReplay
@@ -52,6 +50,11 @@ class RolloutActor(Located):
         self.turns = self.agent = self.endpoint = None
         mt = rollout.multi_turn if rollout is not None else None
         if mt is not None:
+            # Here, not at the top: every process that holds a handle to this actor (the coordinator, the rollout
+            # manager) imports this module when Ray loads the handle's class, and transformers and the endpoint's
+            # aiohttp cost them ~0.9 s of CPU each at every run's start (py-spy, bench/RESULTS.md, twentieth session).
+            from transformers import AutoTokenizer
+            from rlhf_orch.rollout.openai_server import OpenAIEndpoint
             tok = AutoTokenizer.from_pretrained(model_path)
             total = mt.total_tokens(ecfg.sampling.max_new_tokens)
         if mt is not None and rollout.agent is not None:
