@@ -118,7 +118,9 @@ class AsyncVLLMRunner:
         """Run `coro` on the loop thread and block for its result. This thread wakes once `coro` ends, not through the
         task's done-callback, which the loop runs after every callback already queued (at a pause: every stream's
         wake-up, ~10 ms at 512 running; bench/RESULTS.md, nineteenth session)."""
-        self._check_caller(coro)
+        if threading.current_thread() is self._thread or self._loop.is_closed():   # it would wait for itself
+            coro.close()
+            raise EngineError("AsyncVLLMRunner: called from its own loop thread, or after shutdown")
         done, outcome = threading.Event(), []
         async def run():   # noqa: E306
             try:
@@ -134,11 +136,6 @@ class AsyncVLLMRunner:
         if not ok:
             raise value
         return value
-
-    def _check_caller(self, coro) -> None:   # the loop thread would wait for itself
-        if threading.current_thread() is self._thread or self._loop.is_closed():
-            coro.close()
-            raise EngineError("AsyncVLLMRunner: called from its own loop thread, or after shutdown")
 
     async def _start(self, model: str, kw: dict):
         try:

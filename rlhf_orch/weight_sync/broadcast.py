@@ -20,6 +20,7 @@ import torch
 from rlhf_orch.weight_sync.buckets import max_bucket_bytes
 from rlhf_orch.weight_sync.collective import BroadcastGroup
 from rlhf_orch.weight_sync.mailbox import SLOTS
+from rlhf_orch.weight_sync.plan import group_size
 from rlhf_orch.weight_sync.transport import PlanFacts, ReceiveSide, SendSide
 
 
@@ -51,8 +52,8 @@ class BroadcastSend(SendSide):
         engines are held for the coordinator to check."""
         host, port = facts.address
         sums = facts.verify and all(facts.checks.get(r.engine, True) for r in routes)
-        group = {"backend": facts.backend, "host": host, "port": int(port),
-                 "world_size": 1 + sum(len(r.group_ranks) for r in routes), "sums": sums}
+        group = {"backend": facts.backend, "host": host, "port": int(port), "world_size": group_size(routes),
+                 "sums": sums}
         return ({0: dict(group)},
                 {r.engine: {**group, "rank": r.group_ranks[0], "hold": facts.verify and not sums} for r in routes})
 

@@ -1,10 +1,11 @@
 """The `ipc` transport: a trainer rank streams every bucket of a sync to the engines that share its device.
 
 At setup (transport.py's handshake) the rank offers its SLOTS ring buffers' handles; each engine opens them once (CUDA
-IPC, or shared memory on CPU: ipc.py) and answers with a mailbox (mailbox.py), which the rank maps (`accept`). Per bucket the sender publishes the
-bucket's sequence number and checksums into every engine's mailbox; the engine loads the bucket straight from the
-shared buffer, compares each tensor with the trainer's checksum and acknowledges; the sender waits for that
-acknowledgement before it refills the buffer. No call per bucket: a sync is one call on each side.
+IPC, or shared memory on CPU: ipc.py) and answers with a mailbox (mailbox.py), which the rank maps (`accept`). Per
+bucket the sender publishes the bucket's sequence number and checksums into every engine's mailbox; the engine loads
+the bucket straight from the shared buffer, compares each tensor with the trainer's checksum and acknowledges; the
+sender waits for that acknowledgement before it refills the buffer. No call per bucket: a sync is one call on each
+side.
 
 On CUDA, when every engine of the rank made events, a sync may hand buckets over on the device (mailbox.py, "GPU
 hand-over"): the sender records its event per buffer after the pack, the engine polls it before it loads and records
@@ -22,6 +23,7 @@ import torch
 from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.weight_sync.ipc import IpcHandle, as_handle, export_handle, ipc_events, open_event, open_handle
 from rlhf_orch.weight_sync.mailbox import DEVICE, HOST, SLOTS, Mailbox, seq_of
+from rlhf_orch.weight_sync.plan import feeds
 from rlhf_orch.weight_sync.transport import PlanFacts, ReceiveSide, SendSide
 
 
@@ -50,10 +52,8 @@ class StreamSend(SendSide):
         if blind:   # plan.py gives ipc to single-worker engines only, and every one of ours streams
             raise WeightSyncError(f"engines {blind} were planned ipc but cannot take an ipc stream; set "
                                   "weight_sync.transport: broadcast")
-        senders: dict[int, dict] = {}
-        for r in routes:
-            senders.setdefault(r.sender_rank, {"engines": []})["engines"].append(r.engine)
-        return senders, {r.engine: {} for r in routes}
+        return ({rank: {"engines": engines} for rank, engines in feeds(routes).items()},
+                {r.engine: {} for r in routes})
 
     @classmethod
     def open(cls, spec: dict, bufs, device: torch.device, verify: bool, timeout_s: float) -> "StreamSend":

@@ -12,7 +12,8 @@ that forces ipc across nodes is refused, naming both nodes).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Iterable
 
 from rlhf_orch.errors import ConfigError
 
@@ -25,15 +26,37 @@ class EngineRoute:
     group_ranks: tuple[int, ...] = ()   # broadcast: this engine's workers' ranks in the group
 
 
+def feeds(routes: Iterable[EngineRoute]) -> dict[int, list[str]]:
+    """Trainer rank -> the engines it sends to, over these routes."""
+    out: dict[int, list[str]] = {}
+    for r in routes:
+        out.setdefault(r.sender_rank, []).append(r.engine)
+    return out
+
+
+def group_size(routes: Iterable[EngineRoute]) -> int:
+    """Members of one group over these routes: rank 0 and every engine worker (0 when there are none)."""
+    workers = sum(len(r.group_ranks) for r in routes)
+    return workers + 1 if workers else 0
+
+
 @dataclass
 class SyncPlan:
     routes: dict[str, EngineRoute]
-    group_world_size: int = 0      # 0 when no engine uses broadcast
-    ipc_targets: dict[int, list[str]] = field(default_factory=dict)   # trainer rank -> engines it feeds
 
     @property
     def broadcast_engines(self) -> list[str]:
         return [r.engine for r in self.routes.values() if r.transport == "broadcast"]
+
+    @property
+    def group_world_size(self) -> int:
+        """The broadcast group's size; 0 when no engine uses broadcast."""
+        return group_size(r for r in self.routes.values() if r.transport == "broadcast")
+
+    @property
+    def ipc_targets(self) -> dict[int, list[str]]:
+        """Trainer rank -> the engines it feeds over ipc."""
+        return feeds(r for r in self.routes.values() if r.transport == "ipc")
 
     def summary(self) -> dict[str, str]:
         return {name: f"{r.transport} from trainer rank {r.sender_rank}" for name, r in self.routes.items()}
@@ -47,7 +70,6 @@ def make_plan(trainer_devices: list[str], engine_devices: dict[str, list[str]], 
         raise ConfigError(f"weight_sync.transport: unknown value {transport!r}; use auto, ipc or broadcast")
     where = {dev: rank for rank, dev in enumerate(trainer_devices)}
     routes: dict[str, EngineRoute] = {}
-    ipc_targets: dict[int, list[str]] = {}
     next_rank = 1
     problems = []
     for name, devs in engine_devices.items():
@@ -65,17 +87,14 @@ def make_plan(trainer_devices: list[str], engine_devices: dict[str, list[str]], 
                             "device; use auto or broadcast")
             continue
         if colocated and transport != "broadcast":
-            rank = where[devs[0]]
-            routes[name] = EngineRoute(name, "ipc", rank)
-            ipc_targets.setdefault(rank, []).append(name)
+            routes[name] = EngineRoute(name, "ipc", where[devs[0]])
         else:
             ranks = tuple(range(next_rank, next_rank + len(devs)))
             next_rank += len(devs)
             routes[name] = EngineRoute(name, "broadcast", 0, ranks)
     if problems:
         raise ConfigError(problems)
-    world = next_rank if next_rank > 1 else 0
-    return SyncPlan(routes, world, ipc_targets)
+    return SyncPlan(routes)
 
 
 def sync_deadline_s(nbytes: int, configured: float | None) -> float:

@@ -91,8 +91,7 @@ class WeightReceiver:
         """Setup's first round (transport.py): open this worker's side of `transport` from its spec, leaving the side
         of an earlier plan first; returns seconds taken (a broadcast group's rendezvous and warm-up)."""
         t0 = time.perf_counter()
-        if self.transport is not None:
-            self.close()
+        self.close()
         self.transport = sides(transport)[1].open(spec, self, timeout_s)
         return time.perf_counter() - t0
 

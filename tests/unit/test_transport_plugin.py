@@ -18,7 +18,7 @@ from rlhf_orch.errors import WeightSyncError
 from rlhf_orch.weight_sync import transports
 from rlhf_orch.weight_sync.buckets import checksums, plan_buckets
 from rlhf_orch.weight_sync.mailbox import SLOTS
-from rlhf_orch.weight_sync.plan import EngineRoute
+from rlhf_orch.weight_sync.plan import EngineRoute, feeds
 from rlhf_orch.weight_sync.receiver import WeightReceiver
 from rlhf_orch.weight_sync.sender import WeightSender
 from rlhf_orch.weight_sync.transport import ReceiveSide, SendSide
@@ -41,10 +41,7 @@ class LoopSend(SendSide):
 
     @classmethod
     def specs(cls, routes, facts):
-        senders: dict[int, dict] = {}
-        for r in routes:
-            senders.setdefault(r.sender_rank, {"engines": []})["engines"].append(r.engine)
-        return senders, {r.engine: {} for r in routes}
+        return {rank: {"engines": engines} for rank, engines in feeds(routes).items()}, {r.engine: {} for r in routes}
 
     @classmethod
     def open(cls, spec, bufs, device, verify, timeout_s):
